@@ -1,0 +1,128 @@
+"""The thin Redis layer: connections, consumer groups and stream reads.
+
+Everything that crosses services goes through here. Connections use the hiredis parser
+when installed (redis-py picks it up by itself) and retry with backoff and jitter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any, Awaitable, Callable, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
+
+from shared.messages import FIELD, loads
+
+T = TypeVar("T")
+
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+class RedisUnreachable(RuntimeError):
+    pass
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for logs and status output."""
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.password:
+        user = parts.username or ""
+        netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+def connect(url: str, *, timeout_s: float | None = None) -> aioredis.Redis:
+    """A pooled asyncio client. ``timeout_s`` bounds socket reads (None: block reads need it open)."""
+    return aioredis.Redis.from_url(
+        url, decode_responses=False, socket_connect_timeout=5.0, socket_timeout=timeout_s,
+        health_check_interval=0, max_connections=256, socket_keepalive=True)
+
+
+async def check_reachable(url: str, timeout_s: float = 3.0) -> None:
+    """Raise RedisUnreachable with a one-line message naming the (redacted) URL."""
+    client = aioredis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        await asyncio.wait_for(client.ping(), timeout_s)
+    except Exception as exc:  # noqa: BLE001 - any failure means the same to the user
+        raise RedisUnreachable(
+            f"cannot reach Redis at {redact_url(url)}: {exc.__class__.__name__}: {exc}. "
+            "Start one, fix --redis-url / LOCKSTEP_REDIS_URL, or omit it to let `lockstep up` start its own.") from None
+    finally:
+        await client.aclose()
+
+
+async def ensure_group(r: aioredis.Redis, stream: str, group: str, start: str = "0") -> None:
+    """Create a consumer group (and the stream) if missing; idempotent."""
+    try:
+        await r.xgroup_create(stream, group, id=start, mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def decode_entries(resp: Any) -> list[tuple[bytes, bytes, dict[str, Any]]]:
+    """Flatten an XREAD/XREADGROUP reply to (stream, id, document) triples."""
+    out: list[tuple[bytes, bytes, dict[str, Any]]] = []
+    if not resp:
+        return out
+    items = resp.items() if isinstance(resp, dict) else resp
+    for stream, entries in items:
+        if entries and isinstance(entries[0], list) and entries and not isinstance(entries[0][0], bytes):
+            entries = entries[0]
+        for entry_id, fields in entries:
+            if fields is None:  # entry deleted while pending
+                continue
+            raw = fields.get(FIELD)
+            if raw is None:
+                continue
+            try:
+                out.append((stream, entry_id, loads(raw)))
+            except Exception:  # noqa: BLE001 - a corrupt entry must not stop the reader
+                out.append((stream, entry_id, {"k": "corrupt"}))
+    return out
+
+
+class Backoff:
+    """Exponential backoff with full jitter, for reconnect loops."""
+
+    def __init__(self, base_s: float = 0.05, cap_s: float = 2.0) -> None:
+        self.base_s, self.cap_s, self.attempt = base_s, cap_s, 0
+
+    def next_delay(self) -> float:
+        self.attempt += 1
+        return random.uniform(0, min(self.cap_s, self.base_s * 2 ** self.attempt))
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+async def retrying(op: Callable[[], Awaitable[T]], *, log: Any = None, what: str = "redis",
+                   stop: asyncio.Event | None = None, give_up_s: float | None = None) -> T:
+    """Run ``op`` until it succeeds, backing off on transient connection errors."""
+    backoff = Backoff()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while True:
+        try:
+            result = await op()
+            if backoff.attempt and log is not None:
+                log.info("redis_reconnected", what=what, attempts=backoff.attempt)
+            return result
+        except TRANSIENT as exc:
+            if stop is not None and stop.is_set():
+                raise
+            if give_up_s is not None and loop.time() - started > give_up_s:
+                raise
+            delay = backoff.next_delay()
+            if log is not None and backoff.attempt in (1, 2, 4, 8) or backoff.attempt % 32 == 0:
+                if log is not None:
+                    log.warning("redis_unavailable", what=what, error=str(exc), retry_in_s=round(delay, 3),
+                                attempt=backoff.attempt)
+            await asyncio.sleep(delay)

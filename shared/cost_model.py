@@ -1,0 +1,46 @@
+"""Device cost model of one lockstep step, shared by the sim backend and the simulator.
+
+In DP+EP every rank joins the same all-to-alls, so a step lasts as long as its most
+loaded rank:
+
+    step_ms = fixed_ms                          # launches + 2 all-to-alls per MoE layer
+            + token_ms   * max_r tokens_r       # dense + expert FLOPs of the busiest rank
+            + ctx_ms_per_1k * max_r ctx_r / 1000  # attention over the KV it reads
+
+The defaults are shaped after a DeepSeek-V3-class model on one H200 per rank (decode at
+~128 sequences per rank costs ~25-35 ms; a 4k-token prefill chunk ~250 ms). They are a
+model, not a measurement: load calibrated constants with ``--cost-model FILE`` (JSON
+with these field names).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    fixed_ms: float = 8.0
+    token_ms: float = 0.06
+    ctx_ms_per_1k: float = 0.05
+    idle_ms: float = 8.0          # a dummy forward still pays the launches and all-to-alls
+
+    def step_ms(self, max_tokens: int, max_ctx: int = 0) -> float:
+        """Modeled wall time of one lockstep step given the busiest rank's load."""
+        if max_tokens <= 0 and max_ctx <= 0:
+            return self.idle_ms
+        return self.fixed_ms + self.token_ms * max_tokens + self.ctx_ms_per_1k * max_ctx / 1000.0
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        data = json.loads(Path(path).read_text())
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{path}: unknown cost-model fields {sorted(unknown)}; "
+                             f"known: {sorted(cls.__dataclass_fields__)}")
+        return cls(**data)

@@ -1,0 +1,129 @@
+"""The Redis key schema: every key lockstep reads or writes is named here and only here.
+
+Keys are prefixed with a namespace (``ls`` by default) so several clusters can share one
+Redis. docs/redis-keys.md documents each key (type, writer, reader, TTL); a test checks
+that every key built here appears there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Consumer-group names.
+SCHEDULER_GROUP = "scheduler"
+ENGINE_GROUP = "engine"
+
+# Stream trimming and TTLs. Streams are trimmed approximately (MAXLEN ~), which is cheap.
+OUT_STREAM_MAXLEN = 100_000
+STATS_STREAM_MAXLEN = 20_000
+WAVE_STREAM_MAXLEN = 1_000
+STEP_HASH_TTL_S = 120
+REQ_HASH_TTL_S = 3_600
+BATCH_HASH_TTL_S = 600
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key builder for one namespace."""
+
+    ns: str = "ls"
+
+    # --- request path -------------------------------------------------------------
+    @property
+    def requests(self) -> str:
+        """Stream: new requests and aborts from api-servers (group ``scheduler``)."""
+        return f"{self.ns}:requests"
+
+    def inbox(self, rank: int) -> str:
+        """Stream: work for one DP rank (group ``engine``)."""
+        return f"{self.ns}:rank:{rank}:inbox"
+
+    def out(self, api_id: str) -> str:
+        """Stream: token deltas for the requests of one api-server."""
+        return f"{self.ns}:out:{api_id}"
+
+    def req(self, request_id: str) -> str:
+        """Hash: one request's state, rank, batch and timestamps (TTL)."""
+        return f"{self.ns}:req:{request_id}"
+
+    # --- step statistics and the load view ----------------------------------------
+    def step(self, wave: int, step: int) -> str:
+        """Hash: rank -> stats of one (wave, step), short TTL."""
+        return f"{self.ns}:step:{wave}:{step}"
+
+    @property
+    def stats(self) -> str:
+        """Stream: one entry per (wave, step, rank) report, stats inline."""
+        return f"{self.ns}:stats"
+
+    @property
+    def snapshot(self) -> str:
+        """Hash: the last finalized step-consistent load view."""
+        return f"{self.ns}:snapshot"
+
+    @property
+    def snapshot_channel(self) -> str:
+        """Pub/sub channel: each new snapshot, published by the scheduler."""
+        return f"{self.ns}:snapshot"
+
+    @property
+    def steps(self) -> str:
+        """Stream: finalized steps (per-rank rows), for ``lockstep steps``."""
+        return f"{self.ns}:steps"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: a staggered batch's per-rank counts and release reason (TTL)."""
+        return f"{self.ns}:batch:{batch_id}"
+
+    # --- membership, lockstep and leadership -------------------------------------
+    def rank_alive(self, rank: int) -> str:
+        """String with PX TTL: heartbeat and claim of one rank slot (value: owner token)."""
+        return f"{self.ns}:rank:{rank}:alive"
+
+    def rank_info(self, rank: int) -> str:
+        """Hash: pid, host, backend and last stats of one rank."""
+        return f"{self.ns}:rank:{rank}:info"
+
+    @property
+    def dist(self) -> str:
+        """Hash: rendezvous of the engine group (address, port, world size, generation)."""
+        return f"{self.ns}:dist"
+
+    @property
+    def wave(self) -> str:
+        """Stream: wake-up notices that start a new wave after all ranks paused."""
+        return f"{self.ns}:wave"
+
+    @property
+    def leader(self) -> str:
+        """String NX PX: the scheduler leadership lease."""
+        return f"{self.ns}:leader"
+
+    @property
+    def scheduler(self) -> str:
+        """Hash: the leading scheduler's state and counters."""
+        return f"{self.ns}:scheduler"
+
+    def api_alive(self, api_id: str) -> str:
+        """String with PX TTL: heartbeat of one api-server replica."""
+        return f"{self.ns}:api:{api_id}:alive"
+
+    @property
+    def cluster(self) -> str:
+        """Hash: cluster-wide configuration (ranks, api-servers, policy, dispatch mode)."""
+        return f"{self.ns}:cluster"
+
+    @property
+    def drained(self) -> str:
+        """Set: ranks that get no new work (``lockstep drain``)."""
+        return f"{self.ns}:drained"
+
+    def all_patterns(self) -> list[str]:
+        """Every key shape, with placeholders, for docs and ``lockstep`` inspection."""
+        return [
+            self.requests, self.inbox("{r}"), self.out("{api}"), self.req("{id}"),  # type: ignore[arg-type]
+            self.step("{wave}", "{step}"), self.stats, self.snapshot, self.steps,  # type: ignore[arg-type]
+            self.batch("{id}"), self.rank_alive("{r}"), self.rank_info("{r}"),  # type: ignore[arg-type]
+            self.dist, self.wave, self.leader, self.scheduler, self.api_alive("{api}"),
+            self.cluster, self.drained,
+        ]

@@ -1,0 +1,145 @@
+"""Messages that cross Redis, and their codec.
+
+Every stream entry carries one field ``d`` holding an orjson document; the document's
+``k`` names its kind. Dataclasses keep the shapes explicit; the codec turns them into
+compact dicts (short keys, since they are written on every step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+FIELD = b"d"
+
+
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj)
+
+
+def loads(raw: bytes | str) -> Any:
+    return orjson.loads(raw)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mt": self.max_tokens, "te": self.temperature, "tp": self.top_p,
+                "sd": self.seed, "st": self.stop, "ie": self.ignore_eos}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        return cls(max_tokens=d["mt"], temperature=d["te"], top_p=d["tp"], seed=d["sd"],
+                   stop=list(d["st"]), ignore_eos=d["ie"])
+
+
+@dataclass(slots=True)
+class Request:
+    """A generation request on its way from an api-server to a rank.
+
+    ``generated`` holds tokens already streamed to the client: a request resumed on
+    another rank re-prefills prompt + generated and continues at ``len(generated)``.
+    """
+
+    id: str
+    api: str                       # owning api-server: deltas go to its output stream
+    prompt: list[int]              # token ids (byte-level tokenizer)
+    params: SamplingParams
+    arrival: float                 # unix seconds when the api-server accepted it
+    rank: int | None = None        # explicit rank (data_parallel_rank) or assigned rank
+    batch: str | None = None       # staggered batch id
+    batch_counts: list[int] | None = None  # per-rank counts of that batch
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"k": "req", "id": self.id, "api": self.api,
+                             "p": bytes(self.prompt).hex() if _all_bytes(self.prompt) else self.prompt,
+                             "sp": self.params.to_dict(), "at": self.arrival}
+        if self.rank is not None:
+            d["r"] = self.rank
+        if self.batch is not None:
+            d["b"] = self.batch
+            d["bc"] = self.batch_counts
+        if self.generated:
+            d["g"] = self.generated
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Request":
+        p = d["p"]
+        prompt = list(bytes.fromhex(p)) if isinstance(p, str) else list(p)
+        return cls(id=d["id"], api=d["api"], prompt=prompt,
+                   params=SamplingParams.from_dict(d["sp"]), arrival=d["at"],
+                   rank=d.get("r"), batch=d.get("b"), batch_counts=d.get("bc"),
+                   generated=list(d.get("g", ())))
+
+
+def _all_bytes(tokens: list[int]) -> bool:
+    return all(0 <= t < 256 for t in tokens)
+
+
+@dataclass(slots=True)
+class Abort:
+    """Stop a request (client went away). Routed by the scheduler to the owning rank."""
+
+    id: str
+    rank: int | None = None
+    reason: str = "client_disconnected"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"k": "abort", "id": self.id, "r": self.rank, "why": self.reason}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Abort":
+        return cls(id=d["id"], rank=d.get("r"), reason=d.get("why", ""))
+
+
+@dataclass(slots=True)
+class Delta:
+    """New tokens of one request. ``pos`` is the index of the first token in ``tokens``
+    among the request's generated tokens, so a reader drops anything it already has:
+    a redelivery or a resumed request never duplicates text."""
+
+    id: str
+    pos: int
+    tokens: list[int]
+    finish: str | None = None      # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    rank: int = -1
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"id": self.id, "o": self.pos, "t": self.tokens, "r": self.rank}
+        if self.finish is not None:
+            d["f"] = self.finish
+            d["pt"] = self.prompt_tokens
+        if self.error is not None:
+            d["e"] = self.error
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Delta":
+        return cls(id=d["id"], pos=d["o"], tokens=d["t"], finish=d.get("f"),
+                   prompt_tokens=d.get("pt", 0), rank=d.get("r", -1), error=d.get("e"))
+
+
+def encode_deltas(deltas: list[Delta]) -> bytes:
+    """One output-stream entry holds all deltas of one step for one api-server."""
+    return orjson.dumps({"k": "out", "ds": [x.to_dict() for x in deltas]})
+
+
+def decode_entry(raw: bytes) -> dict[str, Any]:
+    return orjson.loads(raw)

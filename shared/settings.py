@@ -1,0 +1,113 @@
+"""One typed settings object per service, read from LOCKSTEP_* environment variables and
+overridden by CLI flags. ``docs/configuration.md`` is generated from these classes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar, get_type_hints
+
+T = TypeVar("T", bound="Settings")
+
+ENV_PREFIX = "LOCKSTEP_"
+
+
+def _coerce(value: str, typ: Any) -> Any:
+    if typ is bool:
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    if typ is int:
+        return int(value)
+    if typ is float:
+        return float(value)
+    if typ in (list[str], "list[str]"):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if typ == (int | None):
+        return None if value == "" else int(value)
+    if typ == (str | None):
+        return value or None
+    return value
+
+
+@dataclass
+class Settings:
+    """Base: fields shared by every service."""
+
+    redis_url: str = field(default="", metadata={"help": "Redis URL (redis://, rediss:// for TLS, user:password@ for ACL)."})
+    namespace: str = field(default="ls", metadata={"help": "Key prefix, so several clusters can share one Redis."})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error."})
+
+    @classmethod
+    def from_env(cls: type[T], env: dict[str, str] | None = None, **overrides: Any) -> T:
+        env = os.environ if env is None else env
+        hints = get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                try:
+                    values[f.name] = _coerce(raw, hints[f.name])
+                except ValueError as exc:
+                    raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: {exc}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def to_dict(self, redact: bool = True) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if redact:
+            from shared.bus import redact_url
+            d["redis_url"] = redact_url(d["redis_url"])
+            if "api_keys" in d:
+                d["api_keys"] = ["***"] * len(d["api_keys"])
+        return d
+
+
+@dataclass
+class ApiServerSettings(Settings):
+    api_id: str = field(default="", metadata={"help": "This replica's id (its output stream is <ns>:out:<api_id>); random when empty."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on."})
+    port: int = field(default=8000, metadata={"help": "Port; every replica binds it with SO_REUSEPORT."})
+    model: str = field(default="lockstep-moe", metadata={"help": "Model name served at /v1/models."})
+    max_model_len: int = field(default=4096, metadata={"help": "Prompt + output tokens per request."})
+    max_body_bytes: int = field(default=1 << 20, metadata={"help": "Largest request body accepted (413 above)."})
+    max_inflight: int = field(default=4096, metadata={"help": "Requests in flight per replica before 429."})
+    request_timeout_s: float = field(default=600.0, metadata={"help": "Longest a request may wait for its tokens."})
+    api_keys: list[str] = field(default_factory=list, metadata={"help": "Accepted API keys (comma list); empty = no auth."})
+    dispatch: str = field(default="scheduler", metadata={"help": "'scheduler' or 'client' (the replica picks ranks itself)."})
+    policy: str = field(default="least_score", metadata={"help": "Dispatch policy in client-dispatch mode."})
+    num_api_servers: int = field(default=1, metadata={"help": "Replicas in the cluster (scales the local bump in client mode)."})
+
+
+@dataclass
+class SchedulerSettings(Settings):
+    policy: str = field(default="least_score", metadata={"help": "Dispatch policy (round_robin, least_score, least_tokens, staggered)."})
+    dispatch: str = field(default="scheduler", metadata={"help": "'scheduler' or 'client'."})
+    num_api_servers: int = field(default=1, metadata={"help": "api-server replicas (for the local-view bump)."})
+    ranks: int = field(default=4, metadata={"help": "DP ranks expected in the engine group."})
+    read_count: int = field(default=512, metadata={"help": "Requests read per stream round trip."})
+    grace_ms: float = field(default=50.0, metadata={"help": "Wait this long for missing ranks before finalizing a step."})
+    snapshot_min_interval_ms: float = field(default=0.0, metadata={"help": "Publish snapshots at most this often."})
+    max_wait_ms: float = field(default=0.0, metadata={"help": "Staggered: longest a request is held; 0 = learned (about two steps)."})
+    lease_ms: int = field(default=3000, metadata={"help": "Leadership lease; a standby takes over after it lapses."})
+
+
+@dataclass
+class EngineSettings(Settings):
+    rank: int = field(default=-1, metadata={"help": "DP rank; -1 claims the first free slot in Redis."})
+    ranks: int = field(default=4, metadata={"help": "DP ranks in the engine group (world size)."})
+    backend: str = field(default="sim", metadata={"help": "'sim' (device cost model) or 'torch' (a real MoE)."})
+    device: str = field(default="cpu", metadata={"help": "'cpu' (gloo) or 'cuda' (NCCL)."})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "Token budget of one step."})
+    max_num_seqs: int = field(default=128, metadata={"help": "Most sequences running on the rank."})
+    num_kv_blocks: int = field(default=4096, metadata={"help": "KV-cache blocks on the rank."})
+    block_size: int = field(default=16, metadata={"help": "Tokens per KV block."})
+    max_model_len: int = field(default=4096, metadata={"help": "Prompt + output tokens per request."})
+    time_scale: float = field(default=1.0, metadata={"help": "sim: multiply modeled device time (0 = no device time)."})
+    cost_model: str = field(default="", metadata={"help": "sim: JSON file with calibrated cost-model constants."})
+    heartbeat_ms: int = field(default=1000, metadata={"help": "Heartbeat period; the alive key lives 3x this."})
+    collective_timeout_s: float = field(default=30.0, metadata={"help": "A collective that takes longer means a rank died."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Address other ranks reach this one at (rendezvous)."})
+    seed: int = field(default=0, metadata={"help": "Model weight seed (identical on every rank)."})
+
+
+ALL_SETTINGS: list[type[Settings]] = [ApiServerSettings, SchedulerSettings, EngineSettings]

@@ -1,0 +1,72 @@
+"""Per-rank step statistics and the step-consistent snapshot built from them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class RankStats:
+    """What one DP rank reports after each step (wave, step)."""
+
+    rank: int
+    wave: int
+    step: int
+    waiting: int = 0            # requests queued on the rank, not yet scheduled
+    running: int = 0            # requests with KV allocated (prefilling or decoding)
+    scheduled: int = 0          # tokens this step computed (prefill + decode)
+    prefill: int = 0            # prefill tokens this step
+    decode: int = 0             # decode tokens this step
+    kv_used: int = 0            # KV blocks in use
+    kv_total: int = 0           # KV blocks on the rank
+    outstanding: int = 0        # prompt tokens not yet computed + output tokens still to come
+    idle: bool = False          # ran a dummy forward while another rank had work
+    dur_ms: float = 0.0         # wall time of the step
+    t: float = 0.0              # wall clock (unix seconds) at the end of the step
+    finished: int = 0           # requests finished this step
+    held: int = 0               # prefills held by the staggered-batch gate
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_used / self.kv_total if self.kv_total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RankStats":
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        return cls(**known)
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """A point-in-time load view: every live rank's stats for one finalized (wave, step)."""
+
+    wave: int
+    step: int
+    t: float
+    ranks: dict[int, RankStats]
+    carried: tuple[int, ...] = ()  # ranks whose stats were carried from an older report
+    seq: int = 0                   # increases by one per published snapshot
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.wave, self.step)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "wave": self.wave, "step": self.step, "t": self.t, "seq": self.seq,
+            "carried": list(self.carried),
+            "ranks": {str(r): s.to_dict() for r, s in self.ranks.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Snapshot":
+        return cls(
+            wave=int(d["wave"]), step=int(d["step"]), t=float(d["t"]), seq=int(d.get("seq", 0)),
+            carried=tuple(d.get("carried", ())),
+            ranks={int(r): RankStats.from_dict(s) for r, s in d["ranks"].items()},
+        )

@@ -1,0 +1,31 @@
+"""The byte-level tokenizer: each UTF-8 byte is a token; a few ids above 255 are special."""
+
+from __future__ import annotations
+
+import codecs
+
+EOS = 256
+BOS = 257
+VOCAB_SIZE = 260  # 256 bytes + EOS + BOS + 2 spare, a multiple of 4 for tidy matmuls
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def decode(tokens: list[int]) -> str:
+    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+
+
+class StreamDecoder:
+    """Turns a stream of byte tokens into text without ever splitting a multi-byte
+    character: incomplete sequences wait inside the decoder for their next bytes."""
+
+    def __init__(self) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, tokens: list[int]) -> str:
+        return self._dec.decode(bytes(t for t in tokens if t < 256))
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
