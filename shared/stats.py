@@ -26,6 +26,7 @@ class RankStats:
     t: float = 0.0              # wall clock (unix seconds) at the end of the step
     finished: int = 0           # requests finished this step
     held: int = 0               # prefills held by the staggered-batch gate
+    recv: dict[str, int] = field(default_factory=dict)  # dispatcher -> highest Assignment.seq received
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

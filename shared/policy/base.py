@@ -28,6 +28,10 @@ class Assignment:
     batch: str | None = None
     batch_counts: tuple[int, ...] | None = None
     reason: str = "dispatch"
+    dispatcher: str = ""      # who decided (scheduler id or api-server id)
+    seq: int = 0              # per-(dispatcher, rank) sequence number; engines echo the
+                              # highest one they received in RankStats.recv, so a policy
+                              # knows exactly which of its dispatches a snapshot already shows
 
 
 @runtime_checkable
@@ -42,8 +46,11 @@ class DispatchPolicy(Protocol):
     def on_snapshot(self, snap: Snapshot) -> None:
         """A new step-consistent view replaces the local estimates."""
 
-    def choose(self, req: RequestInfo, now: float) -> int:
+    def choose(self, req: RequestInfo, now: float) -> Assignment:
         """Pick a rank and add the request to the local view of that rank."""
+
+    def note_explicit(self, req: RequestInfo, rank: int, now: float) -> Assignment:
+        """Record a request whose rank was fixed by the client (data_parallel_rank)."""
 
 
 @runtime_checkable
@@ -64,3 +71,6 @@ class BatchingPolicy(Protocol):
 
     def next_deadline(self) -> float | None:
         """When ``poll`` must next be called, or None when nothing is held."""
+
+    def note_explicit(self, req: RequestInfo, rank: int, now: float) -> Assignment:
+        """Record a request whose rank was fixed by the client (data_parallel_rank)."""
