@@ -1,0 +1,490 @@
+"""Staggered batches, scheduler side: hold requests briefly, release them as one batch
+sized so that no rank ends up more loaded than it must, tagged so the ranks can start the
+batch's prefill in the same step (DESIGN §5 "Staggered batches").
+
+A pure object: no I/O, no clock of its own. The caller passes ``now`` (seconds, any
+monotonic time base, the same one for every call), calls :meth:`poll` at
+:meth:`next_deadline`, and sends every returned :class:`Assignment` to its rank's inbox.
+
+Release rule
+------------
+Requests are held in arrival order. The held set is released as one batch when
+
+* ``full``: at least ``len(ranks) * min_batch_per_rank`` requests are held, so every live
+  rank can get work; or
+* ``timeout``: a held request reached its deadline, ``submit time + window`` (the window
+  the batcher had when that request arrived); or
+* ``wait_bound``: the same, when that request's window was clipped by
+  ``hard_max_wait_ms``.
+
+Every request's deadline is fixed when it is submitted, the window never exceeds
+``hard_max_wait_ms``, and :meth:`next_deadline` returns the earliest deadline, so a request
+is never held longer than its window when the caller polls on time: no request starves
+(unlike SGLang's PrefillDelayer, #32880, which could veto prefills indefinitely). The bound
+is on time spent *in the batcher* (``now`` at submit to ``now`` at release), not since
+``RequestInfo.arrival``, because the api-server's clock need not be the scheduler's.
+
+Window rule (``max_wait_ms=0``, learned)
+----------------------------------------
+``base = 2 × step``, where *step* is an EWMA (α=0.2) of the lockstep step time, the largest
+``RankStats.dur_ms`` of each snapshot (a lockstep step lasts as long as its slowest rank).
+Two steps because a request that waits for the next step boundary already loses up to one
+step; holding for a second one lets the batch fill and land on every rank before the same
+boundary. Before any measurement ``base = DEFAULT_WINDOW_MS`` (50 ms). A configured
+``max_wait_ms > 0`` replaces the learned base. The base is capped at ``hard_max_wait_ms``.
+
+Adaptivity (``adaptive=True``): holding pays only if the batch can fill inside the window.
+With ``gap`` the median of the last ``GAP_SAMPLES`` inter-arrival gaps (from
+``RequestInfo.arrival``; median so one long idle gap or a clump does not swing it) and
+``missing`` the requests still needed for a full batch after this one::
+
+    fill   = missing × gap                       # expected time to fill the batch
+    window = base                   if fill <= base
+           = base × base / fill     otherwise    # shrinks toward 0 as load falls
+    window = 0                      if window < MIN_HOLD_MS
+
+So at high load (fill ≤ two steps) the ranks prefill together; at low load (one request
+every 2 s, 50 ms steps: fill = 6 s for 4 ranks, window ≈ 0.4 ms → 0) a request goes out at
+once, because waiting would only add latency and would most likely end in a timeout with
+the same lone request anyway. With no gap known yet (the first request) the base is used.
+
+Sizing (water-filling)
+----------------------
+Load of a rank = ``RankStats.outstanding`` of the last snapshot + the cost of what this
+batcher sent to the rank that the snapshot does not yet show. A request's **cost** is
+``prompt_tokens + max_tokens``: the prefill it adds now plus the most decode work it can add
+later (the same units as ``outstanding``: prompt tokens not yet computed + output tokens
+still to come). What a snapshot shows is known exactly: each Assignment carries
+``dispatcher=dispatcher_id`` and a per-(dispatcher, rank) ``seq`` starting at 1; engines echo
+the highest seq they received in ``RankStats.recv[dispatcher_id]``; on a snapshot the
+batcher forgets the sends with ``seq <= recv`` (they are in ``outstanding`` now) and keeps the
+rest as local load. In ``client_mode`` (several api-servers each batching from the same
+snapshot) the local load is multiplied by ``num_api_servers``, as in vLLM: the others are
+likely sending similar traffic.
+
+KV: a rank's free blocks = ``kv_total − kv_used`` (last snapshot) − the prompt blocks sent
+since (``ceil(prompt_tokens / block_size)`` per request); unknown (``kv_total == 0`` or no
+snapshot yet) counts as unlimited. A request is placed on a rank whose free blocks hold its
+prompt whenever some rank can; when none can it is still released (the engine queues it) —
+never dropped.
+
+Placement minimises, in order: (1) KV overflow (prompt blocks beyond a rank's free blocks,
+summed), (2) the largest rank load after the batch, (3) the sum of squared loads (spread the
+batch over the less loaded ranks instead of piling it on one while another rank is the max).
+It starts from LPT greedy — requests by cost descending (ties: arrival order), each onto
+the least-loaded rank that has KV room for it (ties rotate across batches) — which is within
+4/3 of optimal, then improves it with a depth-first branch-and-bound over the same order,
+capped at ``search_nodes`` nodes (default 2000, a few ms). Small batches (a handful of
+requests on a few ranks) are therefore solved exactly; large ones keep the best found,
+never worse than LPT.
+
+Batch tags
+----------
+Batch ids are ``f"{dispatcher_id}-{n}"`` with ``n`` = 1, 2, 3, … (unique, monotonic per
+batcher). ``batch_counts[r]`` is the number of the batch's requests sent to **rank id**
+``r``; the tuple covers ranks ``0 .. max(live ranks)`` and a rank that is not live has 0. When
+the live ranks are ``0..n-1`` this is the same as the position in the live-rank list; indexing
+by rank id lets an engine read ``counts[its rank]`` without knowing the live list. Counts
+sum to the batch size; a heavily loaded rank can get 0 (water-filling). Assignments are
+returned in arrival order (FCFS within each rank's inbox).
+
+Explicit requests (``data_parallel_rank`` given) go through :meth:`note_explicit`: not held,
+no batch, reason ``"explicit"``, but they get a seq and count as local load.
+
+Bounds
+------
+* held queue ≤ ``max_held`` (default 65 536). With live ranks it never exceeds
+  ``len(ranks) * min_batch_per_rank`` (a full batch is released on the submit that fills it);
+  it grows only while no rank is live, and :meth:`submit` then raises :class:`BatcherFull`
+  so the caller leaves the request on its stream (back-pressure, not loss).
+* unacknowledged sends ≤ ``max_pending`` per rank (default 65 536; the oldest is assumed
+  seen when exceeded, e.g. an engine that never echoes ``recv``); they are dropped for ranks
+  that leave the live set.
+* per-rank state (seq counters, last stats) is keyed by rank id: bounded by the cluster.
+* no per-batch state is kept after a batch is released (only the counter ``n``); counters
+  are scalars and a fixed-key dict; the gap sampler keeps ``GAP_SAMPLES`` values.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from shared.policy.base import Assignment, RequestInfo
+from shared.stats import Snapshot
+
+DEFAULT_WINDOW_MS = 50.0   # window before any step time is measured (about 2 steps of 25 ms)
+STEP_EWMA_ALPHA = 0.2      # weight of a new step-time measurement
+GAP_SAMPLES = 8            # inter-arrival gaps kept for the arrival-rate estimate (median)
+MAX_GAP_S = 60.0           # a longer gap (idle) counts as this long
+MIN_HOLD_MS = 1.0          # a window shorter than this is not worth a timer: release now
+REASONS = ("full", "timeout", "wait_bound")
+
+
+class BatcherFull(RuntimeError):
+    """The held queue is at ``max_held`` (only possible while no rank is live)."""
+
+
+@dataclass(slots=True)
+class _Held:
+    req: RequestInfo
+    t: float          # now at submit
+    deadline: float   # t + window (seconds)
+    capped: bool      # window clipped by hard_max_wait_ms
+
+
+class StaggeredBatcher:
+    """Hold requests and release them in staggered batches (see the module docstring)."""
+
+    name = "staggered"
+
+    def __init__(
+        self,
+        *,
+        dispatcher_id: str = "scheduler",
+        num_api_servers: int = 1,
+        client_mode: bool = False,
+        ranks: Iterable[int] | None = None,
+        max_wait_ms: float = 0.0,
+        hard_max_wait_ms: float = 500.0,
+        min_batch_per_rank: int = 1,
+        block_size: int = 16,
+        adaptive: bool = True,
+        max_held: int = 65536,
+        max_pending: int = 65536,
+        search_nodes: int = 2000,
+    ) -> None:
+        if hard_max_wait_ms < 0 or max_wait_ms < 0:
+            raise ValueError("wait bounds must be >= 0")
+        if min_batch_per_rank < 1:
+            raise ValueError("min_batch_per_rank must be >= 1")
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if max_held < 1 or max_pending < 1:
+            raise ValueError("max_held and max_pending must be >= 1")
+        self.dispatcher_id = dispatcher_id
+        self.num_api_servers = max(1, int(num_api_servers))
+        self.client_mode = client_mode
+        self.max_wait_ms = float(max_wait_ms)
+        self.hard_max_wait_ms = float(hard_max_wait_ms)
+        self.min_batch_per_rank = int(min_batch_per_rank)
+        self.block_size = int(block_size)
+        self.adaptive = adaptive
+        self.max_held = int(max_held)
+        self.max_pending = int(max_pending)
+        self.search_nodes = int(search_nodes)
+
+        self._ranks: list[int] = []
+        self._held: deque[_Held] = deque()
+        self._min_deadline: float | None = None
+        # per rank id
+        self._seq: dict[int, int] = {}
+        self._pending: dict[int, deque[tuple[int, int, int]]] = {}  # (seq, cost, blocks)
+        self._pending_cost: dict[int, int] = {}
+        self._pending_blocks: dict[int, int] = {}
+        self._snap_load: dict[int, int] = {}
+        self._snap_free: dict[int, int | None] = {}
+        self._snap_seq = 0
+        self._gaps: deque[float] = deque(maxlen=GAP_SAMPLES)
+        self._last_arrival: float | None = None
+        self._batch_n = 0
+        self._rot = 0
+
+        # counters (read by metrics / status)
+        self.step_ms: float | None = None      # learned lockstep step time
+        self.window_ms: float = self._base_ms()  # window given to the latest held request
+        self.batches_released = 0
+        self.batches_by_reason: dict[str, int] = {r: 0 for r in REASONS}
+        self.requests_released = 0             # held requests released in batches
+        self.explicit = 0                      # note_explicit calls
+        self.hold_ms_last = 0.0
+        self.hold_ms_max = 0.0
+        self._hold_ms_sum = 0.0
+        self.kv_overflow = 0                   # requests placed where no rank had KV room
+        self.stale_snapshots = 0
+        self.pending_evicted = 0               # sends assumed seen because of max_pending
+
+        if ranks is not None:
+            self.set_ranks(list(ranks))
+
+    # ------------------------------------------------------------------ views
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    @property
+    def hold_ms_mean(self) -> float:
+        return self._hold_ms_sum / self.requests_released if self.requests_released else 0.0
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self._ranks)
+
+    @property
+    def arrival_gap_ms(self) -> float | None:
+        return statistics.median(self._gaps) * 1000.0 if self._gaps else None
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for /metrics and ``lockstep status``."""
+        return {
+            "policy": self.name,
+            "held": self.held,
+            "window_ms": self.window_ms,
+            "step_ms": self.step_ms,
+            "arrival_gap_ms": self.arrival_gap_ms,
+            "batches_released": self.batches_released,
+            "batches_by_reason": dict(self.batches_by_reason),
+            "requests_released": self.requests_released,
+            "explicit": self.explicit,
+            "hold_ms_last": self.hold_ms_last,
+            "hold_ms_mean": self.hold_ms_mean,
+            "hold_ms_max": self.hold_ms_max,
+            "kv_overflow": self.kv_overflow,
+            "stale_snapshots": self.stale_snapshots,
+            "pending_evicted": self.pending_evicted,
+        }
+
+    def load(self, rank: int) -> int:
+        """Estimated outstanding tokens of ``rank``: snapshot + unacknowledged sends."""
+        bump = self.num_api_servers if self.client_mode else 1
+        return self._snap_load.get(rank, 0) + bump * self._pending_cost.get(rank, 0)
+
+    def free_blocks(self, rank: int) -> int | None:
+        """Estimated free KV blocks of ``rank``; None when unknown (unlimited)."""
+        free = self._snap_free.get(rank)
+        if free is None:
+            return None
+        return free - self._pending_blocks.get(rank, 0)
+
+    def cost(self, req: RequestInfo) -> int:
+        return max(0, req.prompt_tokens) + max(0, req.max_tokens)
+
+    def blocks(self, req: RequestInfo) -> int:
+        return -(-max(0, req.prompt_tokens) // self.block_size)
+
+    # --------------------------------------------------------------- protocol
+    def set_ranks(self, ranks: list[int]) -> None:
+        """Live ranks. Call :meth:`poll` afterwards: fewer ranks can make a batch full."""
+        self._ranks = sorted(set(int(r) for r in ranks))
+        live = set(self._ranks)
+        for r in [r for r in self._pending if r not in live]:
+            del self._pending[r]
+            self._pending_cost.pop(r, None)
+            self._pending_blocks.pop(r, None)
+
+    def on_snapshot(self, snap: Snapshot) -> None:
+        if snap.seq and snap.seq < self._snap_seq:
+            self.stale_snapshots += 1
+            return
+        self._snap_seq = max(self._snap_seq, snap.seq)
+        durs = [s.dur_ms for s in snap.ranks.values() if s.dur_ms > 0]
+        if durs:
+            d = max(durs)
+            self.step_ms = d if self.step_ms is None else (
+                (1 - STEP_EWMA_ALPHA) * self.step_ms + STEP_EWMA_ALPHA * d)
+        for r, s in snap.ranks.items():
+            self._snap_load[r] = max(0, s.outstanding)
+            self._snap_free[r] = max(0, s.kv_total - s.kv_used) if s.kv_total > 0 else None
+            seen = s.recv.get(self.dispatcher_id, 0)
+            q = self._pending.get(r)
+            while q and q[0][0] <= seen:
+                self._drop_oldest_pending(r)
+
+    def submit(self, req: RequestInfo, now: float) -> list[Assignment]:
+        if len(self._held) >= self.max_held:
+            raise BatcherFull(f"{len(self._held)} requests held and no rank to release to")
+        if self._last_arrival is not None:
+            gap = req.arrival - self._last_arrival
+            self._gaps.append(min(max(gap, 0.0), MAX_GAP_S))
+        self._last_arrival = req.arrival if self._last_arrival is None else max(
+            self._last_arrival, req.arrival)
+        raw = self._window_raw_ms(len(self._held) + 1)
+        w = min(raw, self.hard_max_wait_ms)
+        self.window_ms = w
+        h = _Held(req, now, now + w / 1000.0, raw > self.hard_max_wait_ms)
+        self._held.append(h)
+        if self._min_deadline is None or h.deadline < self._min_deadline:
+            self._min_deadline = h.deadline
+        return self._release_due(now)
+
+    def poll(self, now: float) -> list[Assignment]:
+        return self._release_due(now)
+
+    def next_deadline(self) -> float | None:
+        """Earliest time a held request is due; a past time when a batch is already full;
+        None when nothing is held or no rank is live (poll after :meth:`set_ranks`)."""
+        if not self._held or not self._ranks:
+            return None
+        if len(self._held) >= self._full_size():
+            return self._held[0].t
+        return self._min_deadline
+
+    def note_explicit(self, req: RequestInfo, rank: int, now: float) -> Assignment:
+        self.explicit += 1
+        seq = self._record_send(rank, req)
+        return Assignment(request_id=req.id, rank=rank, reason="explicit",
+                          dispatcher=self.dispatcher_id, seq=seq)
+
+    # ---------------------------------------------------------------- window
+    def _base_ms(self) -> float:
+        if self.max_wait_ms > 0:
+            base = self.max_wait_ms
+        elif self.step_ms is not None:
+            base = 2.0 * self.step_ms
+        else:
+            base = DEFAULT_WINDOW_MS
+        return base
+
+    def _window_raw_ms(self, held_after: int) -> float:
+        """Window for a request arriving now with ``held_after`` requests held (itself
+        included), before the hard cap."""
+        base = self._base_ms()
+        if not self.adaptive or not self._gaps:
+            return base
+        missing = max(0, self._full_size() - held_after)
+        fill_ms = missing * statistics.median(self._gaps) * 1000.0
+        if fill_ms <= min(base, self.hard_max_wait_ms):
+            return base
+        capped = min(base, self.hard_max_wait_ms)
+        w = capped * capped / fill_ms
+        return 0.0 if w < MIN_HOLD_MS else w
+
+    # --------------------------------------------------------------- release
+    def _full_size(self) -> int:
+        return max(1, min(len(self._ranks) * self.min_batch_per_rank, self.max_held))
+
+    def _release_due(self, now: float) -> list[Assignment]:
+        if not self._held or not self._ranks:
+            return []
+        if len(self._held) >= self._full_size():
+            reason = "full"
+        elif self._min_deadline is not None and now >= self._min_deadline:
+            due = min(self._held, key=lambda h: h.deadline)
+            reason = "wait_bound" if due.capped else "timeout"
+        else:
+            return []
+        held = list(self._held)
+        self._held.clear()
+        self._min_deadline = None
+        return self._release(held, reason, now)
+
+    def _release(self, held: list[_Held], reason: str, now: float) -> list[Assignment]:
+        ranks = self._ranks
+        reqs = [h.req for h in held]
+        where = self._place(reqs, ranks)
+        self._batch_n += 1
+        self._rot += 1
+        bid = f"{self.dispatcher_id}-{self._batch_n}"
+        counts = [0] * (ranks[-1] + 1)
+        for r in where:
+            counts[r] += 1
+        ct = tuple(counts)
+        out = []
+        for h, r in zip(held, where):
+            free = self.free_blocks(r)
+            if free is not None and free < self.blocks(h.req):
+                self.kv_overflow += 1
+            seq = self._record_send(r, h.req)
+            out.append(Assignment(request_id=h.req.id, rank=r, batch=bid, batch_counts=ct,
+                                  reason=reason, dispatcher=self.dispatcher_id, seq=seq))
+            hold = max(0.0, (now - h.t) * 1000.0)
+            self.hold_ms_last = hold
+            self.hold_ms_max = max(self.hold_ms_max, hold)
+            self._hold_ms_sum += hold
+        self.requests_released += len(held)
+        self.batches_released += 1
+        self.batches_by_reason[reason] += 1
+        return out
+
+    def _record_send(self, rank: int, req: RequestInfo) -> int:
+        seq = self._seq.get(rank, 0) + 1
+        self._seq[rank] = seq
+        q = self._pending.setdefault(rank, deque())
+        c, b = self.cost(req), self.blocks(req)
+        q.append((seq, c, b))
+        self._pending_cost[rank] = self._pending_cost.get(rank, 0) + c
+        self._pending_blocks[rank] = self._pending_blocks.get(rank, 0) + b
+        while len(q) > self.max_pending:
+            self._drop_oldest_pending(rank)
+            self.pending_evicted += 1
+        return seq
+
+    def _drop_oldest_pending(self, rank: int) -> None:
+        _, c, b = self._pending[rank].popleft()
+        self._pending_cost[rank] -= c
+        self._pending_blocks[rank] -= b
+
+    # --------------------------------------------------------------- sizing
+    def _place(self, reqs: list[RequestInfo], ranks: list[int]) -> list[int]:
+        """Rank for each request (same order as ``reqs``); see "Sizing" above."""
+        m, n = len(ranks), len(reqs)
+        load0 = [self.load(r) for r in ranks]
+        free0 = [self.free_blocks(r) for r in ranks]
+        cost = [self.cost(q) for q in reqs]
+        need = [self.blocks(q) for q in reqs]
+        order = sorted(range(n), key=lambda i: (-cost[i], i))
+        rot = self._rot % m
+
+        # LPT greedy with KV preference; ties rotate across batches.
+        load, used = list(load0), [0] * m
+        pick = [0] * n
+        for i in order:
+            fits = [j for j in range(m) if free0[j] is None or free0[j] - used[j] >= need[i]]
+            cand = fits or range(m)
+            j = min(cand, key=lambda j: (load[j], (j - rot) % m))
+            pick[i] = j
+            load[j] += cost[i]
+            used[j] += need[i]
+
+        def objective(load: list[int], used: list[int]) -> tuple[int, int, int]:
+            over = sum(max(0, used[j] - free0[j]) for j in range(m) if free0[j] is not None)
+            return (over, max(load), sum(x * x for x in load))
+
+        best = objective(load, used)
+        best_pick = list(pick)
+        if m > 1 and n > 1 and self.search_nodes > 0:
+            best, best_pick = self._search(order, cost, need, load0, free0, best, best_pick)
+        return [ranks[best_pick[i]] for i in range(n)]
+
+    def _search(self, order, cost, need, load0, free0, best, best_pick):
+        """Bounded depth-first branch-and-bound over the LPT order. Every objective
+        component only grows as requests are added, so a partial objective that is already
+        no better than the best complete one prunes the subtree."""
+        m = len(load0)
+        load, used = list(load0), [0] * m
+        cur = [0] * len(cost)
+        budget = [self.search_nodes]
+        state = {"best": best, "pick": best_pick}
+
+        def partial() -> tuple[int, int, int]:
+            over = sum(max(0, used[j] - free0[j]) for j in range(m) if free0[j] is not None)
+            return (over, max(load), sum(x * x for x in load))
+
+        def dfs(k: int) -> None:
+            if budget[0] <= 0:
+                return
+            budget[0] -= 1
+            if k == len(order):
+                obj = partial()
+                if obj < state["best"]:
+                    state["best"], state["pick"] = obj, list(cur)
+                return
+            i = order[k]
+            seen: set[tuple[int, int, int | None]] = set()
+            for j in sorted(range(m), key=lambda j: load[j]):
+                sig = (load[j], used[j], free0[j])
+                if sig in seen:        # interchangeable with a rank already tried
+                    continue
+                seen.add(sig)
+                load[j] += cost[i]
+                used[j] += need[i]
+                cur[i] = j
+                if partial() < state["best"]:
+                    dfs(k + 1)
+                load[j] -= cost[i]
+                used[j] -= need[i]
+
+        dfs(0)
+        return state["best"], state["pick"]
