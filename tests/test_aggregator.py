@@ -90,6 +90,14 @@ def test_rank_that_moved_past_a_step_is_not_waited_for():
     assert snap.ranks.keys() == {0}      # rank 1 has nothing at or before step 1
 
 
+def test_rank_skipping_a_step_completes_the_pending_one():
+    agg = StepAggregator(range(2), grace_s=1.0)
+    assert agg.report(rs(0, 0, 1), 0.0) is None
+    snap = agg.report(rs(1, 0, 2), 0.01)             # rank 1's step-1 report was lost
+    assert snap is not None and snap.key == (0, 1) and snap.carried == ()
+    assert snap.ranks.keys() == {0} and agg.grace_expired == 0
+
+
 def test_waves_reset_step_counters():
     agg = StepAggregator(range(2), grace_s=0.05)
     assert feed_step(agg, range(2), 0, 40, 0.0)[0].key == (0, 40)
@@ -220,6 +228,12 @@ def replay(n: int, grace: float, events):
         check(agg.report(stats, t), t)
         # per-rank ordering: a rank's in-order report is never dropped
         assert agg.last_key(r) == newest[r]
+        # promptness: once every rank reported a step or moved past it, it is final
+        if len(newest) == n:
+            floor = min(newest.values())
+            done = [k for k in first_seen if k <= floor]
+            if done:
+                assert agg.final_key is not None and agg.final_key >= max(done)
     # drain: every step that got a report is final within its grace period
     d = agg.next_deadline()
     while d is not None:
