@@ -249,7 +249,7 @@ def replay(n: int, grace: float, events):
     return agg, published
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(scenarios())
 def test_property_random_deliveries(sc):
     replay(*sc)
