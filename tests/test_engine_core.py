@@ -5,7 +5,7 @@ from __future__ import annotations
 import zlib
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from services.engine_worker.block_manager import BlockManager
@@ -337,22 +337,23 @@ def test_outstanding_tokens():
 # -- property: random workloads on a tiny pool equal the fault-free run ---------------------
 
 workload = st.lists(
-    st.tuples(st.integers(0, 30),          # arrival step
-              st.integers(1, 30),          # prompt length
-              st.integers(1, 25),          # max_tokens
-              st.integers(0, 24),          # tokens already generated (resume), capped below
+    st.tuples(st.integers(0, 8),           # arrival step
+              st.integers(1, 20),          # prompt length
+              st.integers(1, 40),          # max_tokens
+              st.integers(0, 39),          # tokens already generated (resume), capped below
               st.booleans(),               # ignore_eos
               st.sampled_from([(), ("ab",), ("cd", "bb"), ("dab",)])),
-    min_size=1, max_size=14)
+    min_size=2, max_size=16)
 
 
 @settings(max_examples=80, deadline=None)
-@given(work=workload, num_blocks=st.integers(14, 40), block_size=st.sampled_from([1, 4, 8]),
-       budget=st.integers(8, 48), max_seqs=st.integers(1, 8), chunked=st.booleans(),
-       abort=st.lists(st.tuples(st.integers(0, 13), st.integers(0, 60)), max_size=3))
-def test_random_workloads_match_fault_free_run(work, num_blocks, block_size, budget,
+@given(work=workload, pool_tokens=st.integers(40, 100), block_size=st.sampled_from([1, 4, 8]),
+       budget=st.integers(8, 48), max_seqs=st.integers(1, 10), chunked=st.booleans(),
+       abort=st.lists(st.tuples(st.integers(0, 15), st.integers(0, 60)), max_size=3))
+def test_random_workloads_match_fault_free_run(work, pool_tokens, block_size, budget,
                                                max_seqs, chunked, abort):
     max_seqs = min(max_seqs, budget)
+    num_blocks = pool_tokens // block_size
 
     def build():
         arr: dict[int, list[Sequence]] = {}
@@ -370,6 +371,8 @@ def test_random_workloads_match_fault_free_run(work, num_blocks, block_size, bud
     small = EngineScheduler(BlockManager(num_blocks, block_size), budget, max_seqs, 4096,
                             chunked_prefill=chunked)
     got, got_f = drive(small, build(), eos_every=9)
+    event(f"preempted: {small.num_preemptions > 0}")
+    event(f"rejected: {'error' in got_f.values()}")
     for n in ref:
         if got_f.get(n) == "error":                      # cannot fit this rank at all
             assert ref_f[n] != "error"
@@ -397,3 +400,54 @@ def test_take_waiting_for_migration():
     assert [q.id for q in taken] == ["m2", "m1"]
     assert [q.id for q in s.waiting] == ["m3"] and "m1" not in s and len(s) == 2
     assert all(not q.block_table for q in taken)
+
+
+
+def _seeded_workload(seed: int):
+    """A uniformly random workload sized to keep a tiny pool under pressure: every request
+    fits the rank alone, many together do not. Returns (scheduler factory, arrivals)."""
+    import random
+    rng = random.Random(seed)
+    bs = rng.choice([1, 2, 4, 8])
+    pool = rng.randint(48, 96)
+    budget = rng.randint(8, 64)
+    max_seqs = rng.randint(2, min(budget, 12))
+    chunked = rng.random() < 0.8
+    if not chunked:
+        budget = max(budget, 48)
+    specs = []
+    for i in range(rng.randint(6, 20)):
+        p, mt = rng.randint(1, 24), rng.randint(1, 24)
+        ign = rng.random() < 0.5
+        ref = expected(f"s{i}", p, mt, eos_every=9, ignore_eos=ign)
+        g = rng.randint(0, len(ref) - 1) if rng.random() < 0.3 else 0
+        stop = rng.choice([(), ("ab",), ("cd", "bb")])
+        specs.append((rng.randint(0, 6), f"s{i}", p, mt, ign, ref[:g], stop))
+
+    def arrivals():
+        arr: dict[int, list[Sequence]] = {}
+        for at, n, p, mt, ign, pre, stop in specs:
+            arr.setdefault(at, []).append(make(n, p, mt, ignore_eos=ign, generated=pre, stop=stop))
+        return arr
+
+    def small():
+        return EngineScheduler(BlockManager(pool // bs, bs), budget, max_seqs, 4096,
+                               chunked_prefill=chunked)
+
+    def big():
+        return EngineScheduler(BlockManager(10_000, bs), 10_000, 64, 4096)
+
+    return small, big, arrivals
+
+
+def test_seeded_kv_pressure_matches_fault_free_run():
+    preempting = 0
+    for seed in range(60):
+        small, big, arrivals = _seeded_workload(seed)
+        ref, ref_f = drive(big(), arrivals(), eos_every=9)
+        s = small()
+        got, got_f = drive(s, arrivals(), eos_every=9)
+        assert got == ref and got_f == ref_f, seed
+        assert "error" not in got_f.values()
+        preempting += s.num_preemptions > 0
+    assert preempting >= 20, f"only {preempting} of 60 workloads preempted"
