@@ -59,6 +59,8 @@ class Request:
     batch: str | None = None       # staggered batch id
     batch_counts: list[int] | None = None  # per-rank counts of that batch
     generated: list[int] = field(default_factory=list)
+    dispatcher: str | None = None  # who placed it (Assignment.dispatcher) ...
+    dispatch_seq: int = 0          # ... and its per-(dispatcher, rank) seq, echoed in RankStats.recv
 
     @property
     def prompt_tokens(self) -> int:
@@ -75,6 +77,9 @@ class Request:
             d["bc"] = self.batch_counts
         if self.generated:
             d["g"] = self.generated
+        if self.dispatcher is not None:
+            d["dp"] = self.dispatcher
+            d["ds"] = self.dispatch_seq
         return d
 
     @classmethod
@@ -84,7 +89,7 @@ class Request:
         return cls(id=d["id"], api=d["api"], prompt=prompt,
                    params=SamplingParams.from_dict(d["sp"]), arrival=d["at"],
                    rank=d.get("r"), batch=d.get("b"), batch_counts=d.get("bc"),
-                   generated=list(d.get("g", ())))
+                   generated=list(d.get("g", ())), dispatcher=d.get("dp"), dispatch_seq=d.get("ds", 0))
 
 
 def _all_bytes(tokens: list[int]) -> bool:

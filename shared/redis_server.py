@@ -77,7 +77,7 @@ class EmbeddedRedis:
         # New session: a Ctrl-C in the terminal reaches `lockstep up`, which stops the server
         # last, after every service has flushed.
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -114,6 +114,16 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def die_with_parent() -> None:
+    """In a child before exec (Linux): get SIGTERM when the parent dies, however it dies,
+    so a killed `lockstep up` or test run leaves no server or service behind."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def pid_alive(pid: int) -> bool:

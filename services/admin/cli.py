@@ -1,2 +1,164 @@
-def main():
-    pass
+"""`lockstep`: run, inspect and steer a lockstep cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from typing import Optional
+
+import orjson
+import typer
+
+from services.admin import local_state
+from shared.policy.registry import DEFAULT_POLICY, policy_names
+
+app = typer.Typer(
+    name="lockstep", no_args_is_help=True, add_completion=False, rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+    help="Load balancer and step scheduler for DP+EP mixture-of-experts serving.\n\n"
+         "Start a local cluster with [bold]lockstep up[/bold], then point any OpenAI client at it.")
+
+NS_OPT = typer.Option("ls", "--namespace", "-n", envvar="LOCKSTEP_NAMESPACE", help="Key prefix of the cluster.")
+URL_OPT = typer.Option(None, "--redis-url", help="Redis URL (default: LOCKSTEP_REDIS_URL, else the local cluster's).")
+
+
+def _fail(msg: str, code: int = 1) -> None:
+    typer.secho(f"lockstep: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def up(
+    ranks: int = typer.Option(4, "--ranks", min=1, help="DP engine ranks."),
+    api_servers: int = typer.Option(2, "--api-servers", min=1, help="api-server replicas (all serve --port)."),
+    port: int = typer.Option(8000, "--port", help="HTTP port of the OpenAI-compatible API."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    backend: str = typer.Option("torch", "--backend", help="torch (a real MoE on CPU/GPU) or sim (device cost model)."),
+    policy: str = typer.Option(DEFAULT_POLICY, "--policy", help=f"Dispatch policy: {', '.join(policy_names())}."),
+    dispatch: str = typer.Option("scheduler", "--dispatch", help="scheduler (one decision maker) or client (api-servers pick)."),
+    namespace: str = NS_OPT,
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", envvar="LOCKSTEP_REDIS_URL",
+                                            help="Use this Redis instead of starting a private one."),
+    persist: Optional[str] = typer.Option(None, "--persist", help="Keep the embedded Redis data in this directory."),
+    time_scale: float = typer.Option(1.0, "--time-scale", help="sim backend: scale modeled device time (0 = none)."),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
+) -> None:
+    """Start a local cluster: Redis (embedded unless --redis-url), scheduler, engine ranks, api-servers."""
+    from services.admin.up import LocalCluster, UpOptions, banner
+    from shared.bus import RedisUnreachable
+    from shared.redis_server import ServerNotFound
+
+    if backend not in ("sim", "torch"):
+        _fail(f"--backend must be 'sim' or 'torch', not {backend!r}", 2)
+    if policy not in policy_names():
+        _fail(f"unknown --policy {policy!r}; choose one of: {', '.join(policy_names())}", 2)
+    if dispatch not in ("scheduler", "client"):
+        _fail(f"--dispatch must be 'scheduler' or 'client', not {dispatch!r}", 2)
+    if local_state.read(namespace):
+        _fail(f"a local cluster already runs in namespace {namespace!r}; stop it first or use --namespace", 2)
+    opts = UpOptions(ranks=ranks, api_servers=api_servers, port=port, host=host, backend=backend, policy=policy,
+                     dispatch=dispatch, namespace=namespace, redis_url=redis_url, persist_dir=persist,
+                     time_scale=time_scale, log_level=log_level)
+    cluster = LocalCluster(opts, out=lambda m: typer.echo(m, err=True))
+    typer.echo(f"lockstep: starting {ranks} {backend} ranks and {api_servers} api-servers...", err=True)
+    try:
+        cluster.start()
+    except (RedisUnreachable, ServerNotFound) as exc:
+        _fail(str(exc), 2)
+    except (RuntimeError, TimeoutError, KeyboardInterrupt) as exc:
+        cluster.stop()
+        _fail(str(exc) or "interrupted", 1)
+    typer.echo(banner(cluster))
+    typer.echo(f"REDIS_URL={cluster.url}")
+    sys.stdout.flush()
+    raise typer.Exit(cluster.wait())
+
+
+@app.command()
+def status(namespace: str = NS_OPT, redis_url: Optional[str] = URL_OPT,
+           json: bool = typer.Option(False, "--json", help="One JSON object instead of tables.")) -> None:
+    """Per-rank load, scheduler state and queue depths, read from Redis."""
+    from services.admin.status import collect, render
+    from shared.bus import RedisUnreachable, check_reachable
+
+    try:
+        url = local_state.resolve_redis_url(redis_url, namespace)
+        asyncio.run(check_reachable(url))
+    except (local_state.NoCluster, RedisUnreachable) as exc:
+        _fail(str(exc), 2)
+    data = asyncio.run(collect(url, namespace))
+    if json:
+        typer.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
+        return
+    from rich.console import Console
+    Console().print(render(data))
+
+
+# ---------------------------------------------------------------------- services
+def _settings(cls, sets: list[str]):  # type: ignore[no-untyped-def]
+    overrides = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            _fail(f"--set takes KEY=VALUE, got {item!r}", 2)
+        overrides[key.strip().replace("-", "_")] = value
+    env = dict(os.environ)
+    env.update({"LOCKSTEP_" + k.upper(): v for k, v in overrides.items()})
+    known = {f.upper() for f in cls.__dataclass_fields__}
+    unknown = [k for k in overrides if k.upper() not in known]
+    if unknown:
+        _fail(f"unknown setting(s) {unknown}; see `lockstep config` or docs/configuration.md", 2)
+    settings = cls.from_env(env)
+    if not settings.redis_url:
+        _fail("no Redis URL: set LOCKSTEP_REDIS_URL or --set redis_url=redis://HOST:PORT", 2)
+    return settings
+
+
+SET_OPT = typer.Option([], "--set", help="Override a setting: KEY=VALUE (also LOCKSTEP_KEY env vars).")
+
+
+@app.command("api-server")
+def api_server(sets: list[str] = SET_OPT) -> None:
+    """Run one api-server replica (settings from LOCKSTEP_* env vars and --set)."""
+    from services.api_server.main import main
+    from shared.settings import ApiServerSettings
+    raise typer.Exit(main(_settings(ApiServerSettings, sets)))
+
+
+@app.command("scheduler")
+def scheduler(sets: list[str] = SET_OPT) -> None:
+    """Run the scheduler (leader or standby)."""
+    from services.scheduler.service import main
+    from shared.settings import SchedulerSettings
+    raise typer.Exit(main(_settings(SchedulerSettings, sets)))
+
+
+@app.command("engine-worker")
+def engine_worker(sets: list[str] = SET_OPT) -> None:
+    """Run one DP engine rank (claims a rank slot in Redis unless rank is set)."""
+    from services.engine_worker.worker import main
+    from shared.settings import EngineSettings
+    raise typer.Exit(main(_settings(EngineSettings, sets)))
+
+
+def _register_optional() -> None:
+    """Commands that live in their own modules register themselves here."""
+    import importlib
+    for mod in ("services.admin.simulate_cmd",):
+        try:
+            module = importlib.import_module(mod)
+        except ImportError:
+            continue
+        module.register(app)
+
+
+_register_optional()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

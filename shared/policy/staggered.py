@@ -66,14 +66,14 @@ KV: a rank's free blocks = ``kv_total − kv_used`` (last snapshot) − the prom
 since (``ceil(prompt_tokens / block_size)`` per request); unknown (``kv_total == 0`` or no
 snapshot yet) counts as unlimited. A request is placed on a rank whose free blocks hold its
 prompt whenever some rank can; when none can it is still released (the engine queues it) —
-never dropped.
+never dropped — preferably where it overflows least (the rank that can start it soonest).
 
 Placement minimises, in order: (1) KV overflow (prompt blocks beyond a rank's free blocks,
 summed), (2) the largest rank load after the batch, (3) the sum of squared loads (spread the
 batch over the less loaded ranks instead of piling it on one while another rank is the max).
 It starts from LPT greedy — requests by cost descending (ties: arrival order), each onto
 the least-loaded rank that has KV room for it (ties rotate across batches) — which is within
-4/3 of optimal, then improves it with a depth-first branch-and-bound over the same order,
+4/3 of optimal (with no KV limits), then improves it with a depth-first branch-and-bound over the same order,
 capped at ``search_nodes`` nodes (default 2000, a few ms). Small batches (a handful of
 requests on a few ranks) are therefore solved exactly; large ones keep the best found,
 never worse than LPT.
@@ -427,13 +427,19 @@ class StaggeredBatcher:
         order = sorted(range(n), key=lambda i: (-cost[i], i))
         rot = self._rot % m
 
-        # LPT greedy with KV preference; ties rotate across batches.
+        # LPT greedy: least KV overflow added (0 on any rank with room), then least load;
+        # ties rotate across batches.
         load, used = list(load0), [0] * m
+
+        def over_added(j: int, i: int) -> int:
+            if free0[j] is None:
+                return 0
+            room = free0[j] - used[j]
+            return max(0, need[i] - max(0, room))
+
         pick = [0] * n
         for i in order:
-            fits = [j for j in range(m) if free0[j] is None or free0[j] - used[j] >= need[i]]
-            cand = fits or range(m)
-            j = min(cand, key=lambda j: (load[j], (j - rot) % m))
+            j = min(range(m), key=lambda j: (over_added(j, i), load[j], (j - rot) % m))
             pick[i] = j
             load[j] += cost[i]
             used[j] += need[i]

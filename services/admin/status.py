@@ -1,0 +1,87 @@
+"""`lockstep status`: the cluster's state read from Redis alone."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from shared import keys as K
+from shared.bus import connect, redact_url
+
+
+async def collect(url: str, namespace: str) -> dict[str, Any]:
+    k = K.Keys(namespace)
+    r = connect(url, timeout_s=5.0)
+    try:
+        cluster = {key.decode(): val.decode() for key, val in (await r.hgetall(k.cluster)).items()}
+        n = int(cluster.get("ranks", 0))
+        pipe = r.pipeline(transaction=False)
+        for i in range(n):
+            pipe.exists(k.rank_alive(i))
+            pipe.hgetall(k.rank_info(i))
+            pipe.xlen(k.inbox(i))
+            pipe.xpending(k.inbox(i), K.ENGINE_GROUP)
+        pipe.get(k.leader)
+        pipe.hgetall(k.scheduler)
+        pipe.hget(k.snapshot, "json")
+        pipe.xlen(k.requests)
+        pipe.smembers(k.drained)
+        res = await pipe.execute(raise_on_error=False)
+    finally:
+        await r.aclose()
+    ranks = []
+    for i in range(n):
+        alive, info, inbox_len, pending = res[i * 4: i * 4 + 4]
+        info = info if isinstance(info, dict) else {}
+        stats = orjson.loads(info[b"stats"]) if b"stats" in info else {}
+        pend = pending.get("pending", 0) if isinstance(pending, dict) else 0
+        ranks.append({
+            "rank": i, "alive": bool(alive), "pid": int(info.get(b"pid", 0) or 0),
+            "backend": info.get(b"backend", b"").decode(),
+            "wave": stats.get("wave"), "step": stats.get("step"), "waiting": stats.get("waiting", 0),
+            "running": stats.get("running", 0), "kv_used": stats.get("kv_used", 0), "kv_total": stats.get("kv_total", 0),
+            "idle_forwards": int(info.get(b"idle_forwards", 0) or 0), "inbox_pending": pend,
+            "inbox_len": inbox_len if isinstance(inbox_len, int) else 0,
+            "last_step_age_s": round(time.time() - stats["t"], 3) if stats.get("t") else None,
+        })
+    leader, sched, snap, req_len, drained = res[n * 4:]
+    sched = {a.decode(): b.decode() for a, b in sched.items()} if isinstance(sched, dict) else {}
+    counters = orjson.loads(sched.pop("counters")) if "counters" in sched else {}
+    snapshot = orjson.loads(snap) if snap else None
+    return {
+        "namespace": namespace, "redis_url": redact_url(url), "cluster": cluster,
+        "scheduler": {"leader": leader.decode() if leader else None, **sched, "counters": counters},
+        "queues": {"requests": req_len if isinstance(req_len, int) else 0},
+        "drained": sorted(int(x) for x in drained) if isinstance(drained, set) else [],
+        "ranks": ranks,
+        "snapshot": {"wave": snapshot["wave"], "step": snapshot["step"], "seq": snapshot["seq"],
+                     "age_s": round(time.time() - snapshot["t"], 3)} if snapshot else None,
+    }
+
+
+def render(data: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    c = data["cluster"]
+    head = Text(f"lockstep [{data['namespace']}] at {data['redis_url']}: "
+                f"{c.get('ranks', '?')} ranks ({c.get('backend', '?')}), {c.get('api_servers', '?')} api-servers, "
+                f"policy {c.get('policy', '?')}, dispatch {c.get('dispatch', '?')}")
+    t = Table(title="ranks", title_justify="left")
+    for col in ("rank", "pid", "alive", "wave", "step", "waiting", "running", "KV use", "idle fwd", "inbox pend"):
+        t.add_column(col, justify="right")
+    for r in data["ranks"]:
+        kv = f"{r['kv_used']}/{r['kv_total']}" if r["kv_total"] else "-"
+        t.add_row(str(r["rank"]), str(r["pid"] or "-"), "yes" if r["alive"] else "[red]no[/red]",
+                  str(r["wave"] if r["wave"] is not None else "-"), str(r["step"] if r["step"] is not None else "-"),
+                  str(r["waiting"]), str(r["running"]), kv, str(r["idle_forwards"]), str(r["inbox_pending"]))
+    s = data["scheduler"]
+    snap = data["snapshot"]
+    tail = Text(f"scheduler: leader {s.get('leader') or 'NONE'}; dispatched {s['counters'].get('dispatched', 0)}; "
+                f"requests stream {data['queues']['requests']} entries; "
+                + (f"snapshot wave {snap['wave']} step {snap['step']} ({snap['age_s']}s ago)" if snap else "no snapshot yet")
+                + (f"; drained ranks {data['drained']}" if data["drained"] else ""))
+    return Group(head, t, tail)

@@ -1,0 +1,243 @@
+"""`lockstep up`: a whole local cluster in one command.
+
+Starts a private Redis-compatible server unless given a URL, then the scheduler, the
+engine ranks and the api-server replicas as child processes; waits until they are ready;
+prints where to reach them; and on Ctrl-C/SIGTERM stops them all (then the server), so
+nothing is left behind. Children get PDEATHSIG, so even a SIGKILL of `up` takes them down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.admin import local_state
+from shared import keys as K
+from shared.bus import RedisUnreachable, check_reachable, connect, redact_url
+from shared.redis_server import EmbeddedRedis, die_with_parent
+
+
+@dataclass
+class UpOptions:
+    ranks: int = 4
+    api_servers: int = 2
+    port: int = 8000
+    host: str = "127.0.0.1"
+    backend: str = "torch"
+    policy: str = "least_score"
+    dispatch: str = "scheduler"
+    namespace: str = "ls"
+    redis_url: str | None = None
+    persist_dir: str | None = None
+    time_scale: float = 1.0
+    log_dir: str | None = None
+    log_level: str = "info"
+    ready_timeout_s: float = 180.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Child:
+    role: str
+    proc: subprocess.Popen
+    log: Path
+
+
+class LocalCluster:
+    def __init__(self, opts: UpOptions, out: Any = print) -> None:
+        self.o = opts
+        self.out = out
+        self.redis: EmbeddedRedis | None = None
+        self.url = ""
+        self.children: list[Child] = []
+        self.log_dir = Path(opts.log_dir or (local_state.state_dir() / opts.namespace / "logs"))
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> None:
+        """Start everything; a SIGTERM/SIGINT during start-up stops what was started."""
+        def interrupted(signum: int, _: Any) -> None:
+            raise KeyboardInterrupt(f"signal {signum} during start-up")
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, interrupted)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        o = self.o
+        if o.redis_url:
+            self.url = o.redis_url
+        else:
+            self.redis = EmbeddedRedis(persist_dir=o.persist_dir).start()
+            self.url = self.redis.url
+        try:
+            asyncio.run(check_reachable(self.url))
+        except RedisUnreachable:
+            self.stop()
+            raise
+        asyncio.run(self._prepare_redis())
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = self._env()
+        self._spawn("scheduler", ["scheduler"], env)
+        for i in range(o.ranks):
+            self._spawn(f"engine-{i}", ["engine-worker"], {**env, "LOCKSTEP_RANK": str(i)})
+        for i in range(o.api_servers):
+            self._spawn(f"api-{i}", ["api-server"], {**env, "LOCKSTEP_API_ID": f"api{i}"})
+        self._wait_ready()
+        local_state.write(o.namespace, {
+            "redis_url": self.url, "pid": os.getpid(), "namespace": o.namespace,
+            "api_url": self.api_url, "port": o.port, "ranks": o.ranks, "api_servers": o.api_servers,
+            "log_dir": str(self.log_dir), "started": time.time()})
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.o.host}:{self.o.port}/v1"
+
+    async def _prepare_redis(self) -> None:
+        o = self.o
+        k = K.Keys(o.namespace)
+        r = connect(self.url)
+        try:
+            # A previous run in this namespace may have left coordination keys behind.
+            await r.delete(k.dist, k.leader, k.drained, k.snapshot)
+            await r.hset(k.cluster, mapping={
+                "ranks": o.ranks, "api_servers": o.api_servers, "policy": o.policy, "dispatch": o.dispatch,
+                "backend": o.backend, "port": o.port, "started": time.time()})
+        finally:
+            await r.aclose()
+
+    def _env(self) -> dict[str, str]:
+        o = self.o
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKSTEP_")}
+        env.update({
+            "LOCKSTEP_REDIS_URL": self.url, "LOCKSTEP_NAMESPACE": o.namespace, "LOCKSTEP_RANKS": str(o.ranks),
+            "LOCKSTEP_BACKEND": o.backend, "LOCKSTEP_POLICY": o.policy, "LOCKSTEP_DISPATCH": o.dispatch,
+            "LOCKSTEP_NUM_API_SERVERS": str(o.api_servers), "LOCKSTEP_PORT": str(o.port), "LOCKSTEP_HOST": o.host,
+            "LOCKSTEP_TIME_SCALE": str(o.time_scale), "LOCKSTEP_LOG_LEVEL": o.log_level,
+            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+        })
+        env.update(o.extra_env)
+        return env
+
+    def _spawn(self, role: str, args: list[str], env: dict[str, str]) -> None:
+        log = self.log_dir / f"{role}.log"
+        fh = open(log, "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "services.admin.cli", *args], env=env,
+                                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=die_with_parent)
+        fh.close()
+        self.children.append(Child(role, proc, log))
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.o.ready_timeout_s
+        ranks_ready = api_ready = leader = False
+        while time.monotonic() < deadline:
+            self._check_children()
+            if not (ranks_ready and leader):
+                ranks_ready, leader = asyncio.run(self._probe_redis())
+            if not api_ready:
+                try:
+                    api_ready = httpx.get(f"http://{self.o.host}:{self.o.port}/health", timeout=1.0).status_code == 200
+                except httpx.HTTPError:
+                    api_ready = False
+            if ranks_ready and api_ready and leader:
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"the cluster was not ready within {self.o.ready_timeout_s:g}s; "
+                           f"see the logs in {self.log_dir}")
+
+    async def _probe_redis(self) -> tuple[bool, bool]:
+        k = K.Keys(self.o.namespace)
+        r = connect(self.url)
+        try:
+            pipe = r.pipeline(transaction=False)
+            for i in range(self.o.ranks):
+                pipe.hget(k.rank_info(i), "ready")
+            pipe.exists(k.leader)
+            res = await pipe.execute()
+        finally:
+            await r.aclose()
+        # A rank is ready once its engine group formed.
+        return all(res[:-1]), bool(res[-1])
+
+    def _check_children(self) -> None:
+        for c in self.children:
+            code = c.proc.poll()
+            if code is not None:
+                tail = _tail(c.log)
+                self.stop()
+                raise RuntimeError(f"{c.role} exited with code {code} during start-up. Last log lines:\n{tail}")
+
+    # ------------------------------------------------------------------ run / stop
+    def wait(self) -> int:
+        """Block until a signal or until a child dies; returns the exit code for `up`."""
+        stop = {"sig": None}
+
+        def on_signal(signum: int, _: Any) -> None:
+            stop["sig"] = signum
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, on_signal)
+        while stop["sig"] is None:
+            for c in self.children:
+                if c.proc.poll() is not None:
+                    self.out(f"lockstep: {c.role} exited with code {c.proc.returncode}; stopping the cluster. "
+                             f"Log: {c.log}")
+                    self.stop()
+                    return 1
+            time.sleep(0.2)
+        self.out("lockstep: stopping...")
+        self.stop()
+        return 0
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        # api-servers first (no new work), then the scheduler, then the engines, then Redis.
+        order = ["api", "scheduler", "engine"]
+        for prefix in order:
+            group = [c for c in self.children if c.role.startswith(prefix) and c.proc.poll() is None]
+            for c in group:
+                c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for c in group:
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait(5)
+        self.children = [c for c in self.children if c.proc.poll() is None]
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+        local_state.remove(self.o.namespace, os.getpid())
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def banner(cluster: LocalCluster) -> str:
+    o = cluster.o
+    return "\n".join([
+        f"lockstep is up: {o.ranks} ranks ({o.backend}), {o.api_servers} api-servers, policy {o.policy}",
+        f"  API        {cluster.api_url}   (OpenAI-compatible; model 'lockstep-moe')",
+        f"  Redis      {redact_url(cluster.url)}" + ("   (embedded, stops with this command)" if cluster.redis else ""),
+        f"  Logs       {cluster.log_dir}",
+        "  Inspect    lockstep status",
+        "  Stop       Ctrl-C",
+    ])

@@ -1,0 +1,336 @@
+"""The api-server's HTTP face: OpenAI-compatible completions and chat over the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import orjson
+from fastapi import FastAPI, Request as HttpRequest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response, StreamingResponse
+
+from services.api_server.errors import ApiError, error_response
+from services.api_server.gateway import Gateway, RequestChannel
+from services.api_server.metrics import ApiMetrics
+from services.api_server.protocol import ParsedRequest, parse
+from shared import keys as K
+from shared.bus import connect
+from shared.logging import configure
+from shared.messages import Request
+from shared.settings import ApiServerSettings
+from shared.stop import TextStopper
+from shared.tokenizer import StreamDecoder
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+class BodyLimit:
+    """Pure ASGI middleware: refuse bodies over the limit with 413 before reading them all."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                return await self._too_large(scope, receive, send)
+        seen = 0
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise ApiError(413, f"request body over {self.limit} bytes")
+            return msg
+
+        await self.app(scope, limited_receive, send)
+
+    async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
+        resp = error_response(413, f"request body over {self.limit} bytes; send a smaller prompt",
+                              code="request_too_large")
+        await resp(scope, receive, send)
+
+
+def create_app(settings: ApiServerSettings) -> FastAPI:
+    api_id = settings.api_id or uuid.uuid4().hex[:8]
+    log = configure("api-server", settings.log_level, api=api_id)
+    metrics = ApiMetrics()
+    keys = K.Keys(settings.namespace)
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        r = connect(settings.redis_url)
+        policy = None
+        if settings.dispatch == "client":
+            from shared.policy.registry import make_policy
+            policy = make_policy(settings.policy, dispatcher_id=f"api-{api_id}", client_mode=True,
+                                 num_api_servers=settings.num_api_servers)
+        gw = Gateway(r, keys, api_id, dispatch=settings.dispatch, policy=policy, log=log, metrics=metrics)
+        await gw.start()
+        state["gw"], state["r"] = gw, r
+        log.info("api_server_ready", port=settings.port, dispatch=settings.dispatch, ranks=gw.num_ranks)
+        try:
+            yield
+        finally:
+            await gw.stop()
+            await r.aclose()
+
+    app = FastAPI(title="lockstep api-server", version="0.1.0", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: HttpRequest, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(404)
+    async def _not_found(request: HttpRequest, _: Exception) -> Response:
+        return error_response(404, f"no route {request.method} {request.url.path}", code="not_found")
+
+    @app.exception_handler(405)
+    async def _bad_method(request: HttpRequest, _: Exception) -> Response:
+        return error_response(405, f"method {request.method} not allowed on {request.url.path}")
+
+    @app.exception_handler(Exception)
+    async def _crash(_: HttpRequest, exc: Exception) -> Response:
+        log.error("unhandled_error", error=repr(exc))
+        return error_response(500, "internal error; the request was not completed")
+
+    def check_auth(request: HttpRequest) -> None:
+        if not settings.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not token or not any(hmac.compare_digest(token, k) for k in settings.api_keys):
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> Response:
+        gw: Gateway = state["gw"]
+        try:
+            await asyncio.wait_for(state["r"].ping(), 1.0)
+        except Exception:  # noqa: BLE001
+            return _json({"status": "unhealthy", "redis": False, "api_id": api_id}, 503)
+        return _json({"status": "ok", "redis": True, "api_id": api_id, "inflight": len(gw.channels)})
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: HttpRequest) -> Response:
+        check_auth(request)
+        return _json({"object": "list", "data": [{"id": settings.model, "object": "model", "created": 0,
+                                                  "owned_by": "lockstep", "max_model_len": settings.max_model_len}]})
+
+    async def handle(request: HttpRequest, kind: str) -> Response:
+        endpoint = "chat" if kind == "chat" else "completions"
+        try:
+            check_auth(request)
+            raw = await request.body()
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise ApiError(400, f"invalid JSON body: {exc}") from None
+            gw: Gateway = state["gw"]
+            parsed = parse(body, kind, served_model=settings.model, max_model_len=settings.max_model_len,
+                           num_ranks=gw.num_ranks, header_rank=request.headers.get("x-data-parallel-rank"))
+            if len(gw.channels) >= settings.max_inflight:
+                metrics.rejected.inc()
+                raise ApiError(429, f"server busy: {settings.max_inflight} requests in flight on this replica; "
+                               "retry after the Retry-After delay", code="overloaded", headers={"Retry-After": "1"})
+            resp = await _run(request, parsed, gw)
+        except ApiError as exc:
+            metrics.requests.labels(endpoint, str(exc.status)).inc()
+            return exc.response()
+        metrics.requests.labels(endpoint, str(resp.status_code)).inc()
+        return resp
+
+    async def _run(request: HttpRequest, p: ParsedRequest, gw: Gateway) -> Response:
+        prefix = "chatcmpl-" if p.kind == "chat" else "cmpl-"
+        rid = prefix + uuid.uuid4().hex
+        now = time.time()
+        req = Request(id=rid, api=api_id, prompt=p.prompt, params=p.params, arrival=now, rank=p.rank)
+        metrics.prompt_tokens.inc(len(p.prompt))
+        ch = gw.submit(req)
+        created = int(now)
+        if p.stream:
+            return StreamingResponse(_sse(request, p, ch, gw, rid, created), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        return await _complete(request, p, ch, gw, rid, created)
+
+    async def _wait(ch: RequestChannel, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        await asyncio.wait_for(ch.event.wait(), left)
+        ch.event.clear()
+
+    async def _complete(request: HttpRequest, p: ParsedRequest, ch: RequestChannel, gw: Gateway,
+                        rid: str, created: int) -> Response:
+        t0 = time.monotonic()
+        deadline = t0 + settings.request_timeout_s
+        metrics.inflight.inc()
+        disconnected = asyncio.ensure_future(_client_gone(request))
+        try:
+            while ch.finish is None:
+                waiter = asyncio.ensure_future(_wait(ch, deadline))
+                done, _ = await asyncio.wait({waiter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                if disconnected in done:
+                    waiter.cancel()
+                    metrics.aborts.labels("client_disconnected").inc()
+                    gw.abort(rid)
+                    return Response(status_code=499)
+                try:
+                    waiter.result()
+                except TimeoutError:
+                    metrics.aborts.labels("timeout").inc()
+                    gw.abort(rid, "timeout")
+                    raise ApiError(504, f"no completion within {settings.request_timeout_s:g}s; retry later") from None
+        finally:
+            disconnected.cancel()
+            metrics.inflight.dec()
+            gw.release(rid)
+        if ch.finish in ("error", "abort"):
+            raise ApiError(503, f"the request could not be completed: {ch.error or ch.finish}; retry it",
+                           code="engine_error")
+        dec, stopper = StreamDecoder(), TextStopper(p.params.stop)
+        text = stopper.feed(dec.feed(ch.tokens)) + stopper.feed(dec.flush()) + stopper.finish()
+        finish = "stop" if stopper.stopped else ch.finish
+        _observe(ch, t0, len(ch.tokens))
+        usage = _usage(ch)
+        if p.kind == "chat":
+            return _json({"id": rid, "object": "chat.completion", "created": created, "model": p.model,
+                          "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                       "logprobs": None, "finish_reason": finish}],
+                          "usage": usage, "system_fingerprint": None})
+        if p.echo:
+            text = p.prompt_text + text
+        return _json({"id": rid, "object": "text_completion", "created": created, "model": p.model,
+                      "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                      "usage": usage})
+
+    def _usage(ch: RequestChannel) -> dict[str, int]:
+        pt = ch.prompt_tokens
+        return {"prompt_tokens": pt, "completion_tokens": len(ch.tokens), "total_tokens": pt + len(ch.tokens)}
+
+    def _observe(ch: RequestChannel, t0: float, n: int) -> None:
+        if ch.first_t:
+            metrics.ttft.observe(ch.first_t - t0)
+        metrics.e2e.observe(time.monotonic() - t0)
+        metrics.completion_tokens.inc(n)
+
+    async def _sse(request: HttpRequest, p: ParsedRequest, ch: RequestChannel, gw: Gateway,
+                   rid: str, created: int) -> AsyncIterator[bytes]:
+        chat = p.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        usage_null = {"usage": None} if p.include_usage else {}
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {}
+                if role:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": p.model,
+                                             "choices": [choice], **usage_null}) + b"\n\n"
+
+        t0 = time.monotonic()
+        deadline = t0 + settings.request_timeout_s
+        dec, stopper = StreamDecoder(), TextStopper(p.params.stop)
+        sent = 0
+        finished = False
+        metrics.inflight.inc()
+        try:
+            if chat:
+                yield chunk("", None, role=True)
+            elif p.echo:
+                yield chunk(p.prompt_text, None)
+            last_t = 0.0
+            while True:
+                if ch.finish is None:
+                    try:
+                        await _wait(ch, deadline)
+                    except TimeoutError:
+                        metrics.aborts.labels("timeout").inc()
+                        gw.abort(rid, "timeout")
+                        finished = True
+                        yield _sse_error(504, f"no completion within {settings.request_timeout_s:g}s")
+                        yield b"data: [DONE]\n\n"
+                        return
+                new = ch.tokens[sent:]
+                sent += len(new)
+                if new:
+                    if ch.last_t and last_t:
+                        metrics.itl.observe(ch.last_t - last_t)
+                    last_t = ch.last_t
+                    text = stopper.feed(dec.feed(new))
+                    if text:
+                        yield chunk(text, None)
+                if ch.finish is not None and sent >= len(ch.tokens):
+                    finished = True
+                    if ch.finish in ("error", "abort"):
+                        yield _sse_error(503, f"the request could not be completed: {ch.error or ch.finish}")
+                        yield b"data: [DONE]\n\n"
+                        return
+                    tail = stopper.feed(dec.flush()) + stopper.finish()
+                    if tail:
+                        yield chunk(tail, None)
+                    yield chunk(None if chat else "", "stop" if stopper.stopped else ch.finish)
+                    if p.include_usage:
+                        yield b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created,
+                                                        "model": p.model, "choices": [],
+                                                        "usage": _usage(ch)}) + b"\n\n"
+                    yield b"data: [DONE]\n\n"
+                    _observe(ch, t0, len(ch.tokens))
+                    return
+        finally:
+            metrics.inflight.dec()
+            if not finished:
+                metrics.aborts.labels("client_disconnected").inc()
+                gw.abort(rid)
+            else:
+                gw.release(rid)
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest) -> Response:
+        return await handle(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: HttpRequest) -> Response:
+        return await handle(request, "chat")
+
+    app.state.api_id = api_id
+    app.state.metrics = metrics
+    return app
+
+
+def _sse_error(status: int, message: str) -> bytes:
+    return b"data: " + orjson.dumps(ApiError(status, message).body()) + b"\n\n"
+
+
+async def _client_gone(request: HttpRequest) -> None:
+    """Completes when the client disconnects (non-streaming requests)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return

@@ -1,0 +1,206 @@
+"""The api-server's side of Redis: submit requests, route token deltas back to the
+waiting HTTP handlers, abort requests whose client went away.
+
+Writes from concurrent handlers are coalesced: everything submitted in one event-loop
+turn goes out in one pipelined round trip, so a burst costs a few round trips, not one
+per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from shared import keys as K
+from shared.bus import decode_entries
+from shared.messages import FIELD, Abort, Delta, Request, dumps
+from shared.policy.base import RequestInfo
+from shared.stats import Snapshot
+
+
+class RequestChannel:
+    """Tokens of one request as they arrive; ``pos`` in each delta drops duplicates."""
+
+    __slots__ = ("id", "tokens", "finish", "error", "prompt_tokens", "event", "rank", "first_t", "last_t")
+
+    def __init__(self, rid: str) -> None:
+        self.id = rid
+        self.tokens: list[int] = []
+        self.finish: str | None = None
+        self.error: str | None = None
+        self.prompt_tokens = 0
+        self.rank = -1
+        self.event = asyncio.Event()
+        self.first_t = 0.0
+        self.last_t = 0.0
+
+    def feed(self, d: Delta, now: float) -> None:
+        if self.finish is not None:
+            return
+        have = len(self.tokens)
+        if d.pos <= have:
+            new = d.tokens[have - d.pos:]
+            if new:
+                self.tokens.extend(new)
+                if not self.first_t:
+                    self.first_t = now
+                self.last_t = now
+        # A gap (pos > have) cannot happen from one rank's ordered stream; a resumed
+        # request restarts at what was streamed. Should it happen, the tokens are dropped
+        # rather than shown out of order, and the request ends with an error below.
+        elif d.finish is None:
+            d = Delta(d.id, d.pos, [], "error", d.prompt_tokens, d.rank, "token stream gap")
+        self.rank = d.rank
+        if d.finish is not None:
+            self.finish = d.finish
+            self.error = d.error
+            self.prompt_tokens = d.prompt_tokens
+        self.event.set()
+
+    def fail(self, message: str) -> None:
+        if self.finish is None:
+            self.finish, self.error = "error", message
+            self.event.set()
+
+
+class Gateway:
+    def __init__(self, r: Any, keys: K.Keys, api_id: str, *, dispatch: str = "scheduler",
+                 policy: Any = None, log: Any = None, metrics: Any = None) -> None:
+        self.r, self.keys, self.api_id, self.log, self.metrics = r, keys, api_id, log, metrics
+        self.client_dispatch = dispatch == "client"
+        self.policy = policy
+        self.channels: dict[str, RequestChannel] = {}
+        self.rank_of: dict[str, int] = {}
+        self._writes: list[tuple[str, bytes, str | None]] = []
+        self._flush_pending = False
+        self._tasks: list[asyncio.Task] = []
+        self.num_ranks = 1
+        self.redis_ok = True
+
+    async def start(self) -> None:
+        info = await self.r.hgetall(self.keys.cluster)
+        self.num_ranks = int(info.get(b"ranks", 1)) if info else 1
+        if self.policy is not None:
+            self.policy.set_ranks(list(range(self.num_ranks)))
+        self._tasks.append(asyncio.create_task(self._read_outputs()))
+        self._tasks.append(asyncio.create_task(self._heartbeat()))
+        if self.client_dispatch:
+            self._tasks.append(asyncio.create_task(self._follow_snapshots()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for ch in self.channels.values():
+            ch.fail("the api-server is shutting down")
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, req: Request) -> RequestChannel:
+        ch = self.channels[req.id] = RequestChannel(req.id)
+        if self.client_dispatch and req.rank is None and self.policy is not None:
+            a = self.policy.choose(RequestInfo(req.id, req.prompt_tokens, req.params.max_tokens, req.arrival),
+                                   req.arrival)
+            req.rank, req.dispatcher, req.dispatch_seq = a.rank, a.dispatcher, a.seq
+            if self.metrics is not None:
+                self.metrics.dispatch.labels(str(a.rank)).inc()
+        if req.rank is not None and self.client_dispatch:
+            self.rank_of[req.id] = req.rank
+            self._enqueue(self.keys.inbox(req.rank), dumps(req.to_dict()), req.id)
+        else:
+            self._enqueue(self.keys.requests, dumps(req.to_dict()), req.id)
+        return ch
+
+    def abort(self, rid: str, reason: str = "client_disconnected") -> None:
+        ch = self.channels.pop(rid, None)
+        if ch is None or ch.finish is not None:
+            self.rank_of.pop(rid, None)
+            return
+        rank = self.rank_of.pop(rid, None)
+        stream = self.keys.inbox(rank) if rank is not None else self.keys.requests
+        self._enqueue(stream, dumps(Abort(rid, rank, reason).to_dict()), None)
+
+    def release(self, rid: str) -> None:
+        self.channels.pop(rid, None)
+        self.rank_of.pop(rid, None)
+
+    def _enqueue(self, stream: str, blob: bytes, rid: str | None) -> None:
+        self._writes.append((stream, blob, rid))
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush()))
+
+    async def _flush(self) -> None:
+        self._flush_pending = False
+        writes, self._writes = self._writes, []
+        if not writes:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for stream, blob, _ in writes:
+            pipe.xadd(stream, {FIELD: blob})
+        try:
+            await pipe.execute()
+            self.redis_ok = True
+        except Exception as exc:  # noqa: BLE001 - the requests fail, the server stays up
+            self.redis_ok = False
+            if self.metrics is not None:
+                self.metrics.redis_errors.inc()
+            if self.log is not None:
+                self.log.error("submit_failed", error=str(exc), n=len(writes))
+            for _, _, rid in writes:
+                if rid is not None and rid in self.channels:
+                    self.channels[rid].fail("could not queue the request: Redis is unavailable, retry shortly")
+
+    # ------------------------------------------------------------------ outputs
+    async def _read_outputs(self) -> None:
+        stream = self.keys.out(self.api_id)
+        # Start at the current tail (before any request of ours exists), then follow ids.
+        tail = await self.r.xrevrange(stream, count=1)
+        last: bytes | str = tail[0][0] if tail else "0-0"
+        while True:
+            try:
+                resp = await self.r.xread({stream: last}, block=1000, count=1024)
+                self.redis_ok = True
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - reconnect with backoff
+                self.redis_ok = False
+                if self.log is not None:
+                    self.log.warning("output_read_failed", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            now = time.monotonic()
+            for _, eid, doc in decode_entries(resp):
+                last = eid
+                for raw in doc.get("ds", ()):
+                    d = Delta.from_dict(raw)
+                    ch = self.channels.get(d.id)
+                    if ch is not None:
+                        ch.feed(d, now)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                await self.r.set(self.keys.api_alive(self.api_id), str(time.time()), px=3000)
+            except Exception:  # noqa: BLE001
+                pass
+            await asyncio.sleep(1.0)
+
+    async def _follow_snapshots(self) -> None:
+        """Client dispatch: feed each published snapshot to this replica's policy."""
+        blob = await self.r.hget(self.keys.snapshot, "json")
+        if blob:
+            self.policy.on_snapshot(Snapshot.from_dict(_loads(blob)))
+        pubsub = self.r.pubsub()
+        await pubsub.subscribe(self.keys.snapshot_channel)
+        try:
+            async for msg in pubsub.listen():
+                if msg.get("type") == "message":
+                    self.policy.on_snapshot(Snapshot.from_dict(_loads(msg["data"])))
+        finally:
+            await pubsub.aclose()
+
+
+def _loads(b: bytes) -> Any:
+    import orjson
+    return orjson.loads(b)

@@ -1,0 +1,89 @@
+"""The per-step collective that keeps DP ranks in lockstep.
+
+Every step starts with one small all-reduce in which each rank fills its own row of a
+``[world, FIELDS]`` int64 tensor: so every rank learns every rank's scheduled tokens and
+flags at once, and all take the same decision (run, idle forward or pause) from the same
+numbers. Decisions made from shared numbers cannot diverge, which is what keeps ranks
+from deadlocking (one in a collective, another asleep).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+
+# Columns of the step tensor.
+F_HAS_WORK = 0       # rank has waiting or running sequences
+F_TOKENS = 1         # tokens it will compute this step
+F_MAX_CTX = 2        # largest context it attends over (cost model)
+F_GATE = 3           # staggered batches: newest batch id fully arrived here (0 = none)
+F_GATE_HELD = 4      # prefills held by the batch gate
+F_STOP = 5           # rank is shutting down: the group must stop together
+FIELDS = 6
+
+
+class Action(Enum):
+    RUN = "run"          # compute my tokens
+    IDLE = "idle"        # I have nothing, others do: join the collectives with zero tokens
+    PAUSE = "pause"      # nobody has work: everyone sleeps until work arrives anywhere
+    STOP = "stop"        # a rank is leaving: everyone stops
+
+
+@dataclass(slots=True)
+class StepView:
+    """What one step's collective told every rank."""
+
+    rows: list[list[int]]
+
+    @property
+    def any_work(self) -> bool:
+        return any(r[F_HAS_WORK] or r[F_TOKENS] for r in self.rows)
+
+    @property
+    def max_tokens(self) -> int:
+        return max(r[F_TOKENS] for r in self.rows)
+
+    @property
+    def max_ctx(self) -> int:
+        return max(r[F_MAX_CTX] for r in self.rows)
+
+    def action(self, rank: int) -> Action:
+        if any(r[F_STOP] for r in self.rows):
+            return Action.STOP
+        if not self.any_work:
+            return Action.PAUSE
+        return Action.RUN if self.rows[rank][F_TOKENS] > 0 else Action.IDLE
+
+
+class LockstepGroup:
+    """The engine group's step collective over torch.distributed (gloo or NCCL)."""
+
+    def __init__(self, rank: int, world_size: int, device: str = "cpu") -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self._buf = torch.zeros((world_size, FIELDS), dtype=torch.int64,
+                                device="cuda" if device == "cuda" else "cpu")
+
+    @staticmethod
+    def init(rank: int, world_size: int, addr: str, port: int, timeout_s: float, device: str = "cpu") -> "LockstepGroup":
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group(
+                backend="nccl" if device == "cuda" else "gloo",
+                init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s))
+        return LockstepGroup(rank, world_size, device)
+
+    def exchange(self, row: list[int]) -> StepView:
+        """Blocking: every rank calls this once per step with its own row."""
+        self._buf.zero_()
+        self._buf[self.rank] = torch.tensor(row, dtype=torch.int64)
+        if self.world_size > 1:
+            dist.all_reduce(self._buf)
+        return StepView(self._buf.cpu().tolist())
+
+    def close(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,365 @@
+"""The engine-worker service: the step loop of one DP rank (the imperative shell).
+
+Per step:  read what the last round trip brought from the inbox -> local schedule ->
+one all-reduce that tells every rank every rank's load -> forward (or idle forward, or
+pause) -> postprocess -> ONE pipelined Redis round trip that writes the token deltas,
+the step stats and the acks and reads the next inbox entries.
+
+Pure parts (EngineScheduler, BlockManager, the backends' token rules) know nothing of
+Redis or time; this file is the only place they meet I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+from collections import defaultdict
+from typing import Any
+
+from shared import keys as K
+from shared.bus import RedisUnreachable, check_reachable, connect, decode_entries, ensure_group
+from shared.cost_model import CostModel
+from shared.logging import configure
+from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
+from shared.redis_server import free_port
+from shared.settings import EngineSettings
+from shared.stats import RankStats
+from services.engine_worker.block_manager import BlockManager
+from services.engine_worker.lockstep import F_GATE, F_GATE_HELD, Action, LockstepGroup, StepView
+from services.engine_worker.scheduler import EngineScheduler
+from services.engine_worker.sequence import Sequence
+
+
+class ClaimFailed(RuntimeError):
+    pass
+
+
+class EngineWorker:
+    def __init__(self, settings: EngineSettings) -> None:
+        self.s = settings
+        self.keys = K.Keys(settings.namespace)
+        self.log = configure("engine-worker", settings.log_level)
+        self.token = uuid.uuid4().hex
+        self.rank = settings.rank
+        self.wave = 0
+        self.step = 0
+        self.idle_forwards = 0
+        self.inbox_last = b"0-0"          # last inbox entry delivered to this rank
+        self.wave_last = b"0-0"           # last wake notice seen
+        self.entry_of: dict[str, bytes] = {}   # seq id -> inbox entry id (acked at finish)
+        self.recv: dict[str, int] = {}    # dispatcher -> highest dispatch seq received
+        self.fetched: list[tuple[bytes, dict[str, Any]]] = []
+        self.stopping = asyncio.Event()
+        self.cost = CostModel.load(settings.cost_model) if settings.cost_model else CostModel()
+        self.core = EngineScheduler(
+            BlockManager(settings.num_kv_blocks, settings.block_size),
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len)
+        self.prompts: dict[str, list[int]] = {}
+        self.ignore_eos: dict[str, bool] = {}
+        self._acks: list[bytes] = []              # inbox entries to ack in the next round trip
+        self._aborted: list[Sequence] = []        # aborted seqs whose final delta is pending
+        self._early: list[Any] = []               # outputs decided at admission (rejections)
+
+    # ------------------------------------------------------------------ start-up
+    async def run(self) -> int:
+        try:
+            await check_reachable(self.s.redis_url)
+        except RedisUnreachable as exc:
+            self.log.error("redis_unreachable", error=str(exc))
+            return 2
+        self.r = connect(self.s.redis_url)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        try:
+            self.rank = await self._claim_rank()
+        except ClaimFailed as exc:
+            self.log.error("rank_claim_failed", error=str(exc))
+            return 3
+        self.log = self.log.bind(rank=self.rank)
+        heartbeat = asyncio.create_task(self._heartbeat())
+        try:
+            await self._prepare_streams()
+            addr, port = await self._rendezvous()
+            self.group = await asyncio.to_thread(
+                LockstepGroup.init, self.rank, self.s.ranks, addr, port, self.s.collective_timeout_s, self.s.device)
+            self.backend = self._make_backend()
+            await self.r.hset(self.keys.rank_info(self.rank), mapping={"ready": time.time(), "wave": 0, "step": 0})
+            self.log.info("engine_ready", world=self.s.ranks, backend=self.s.backend, pid=os.getpid())
+            await self._step_loop()
+            return 0
+        finally:
+            heartbeat.cancel()
+            await self._release()
+
+    def _make_backend(self) -> Any:
+        if self.s.backend == "torch":
+            from services.engine_worker.model.config import MoEConfig
+            from services.engine_worker.model.runner import TorchModelRunner
+            return TorchModelRunner(MoEConfig(seed=self.s.seed), self.rank, self.s.ranks,
+                                    self.s.num_kv_blocks, self.s.block_size, device=self.s.device)
+        from services.engine_worker.sim_backend import SimBackend
+        return SimBackend()
+
+    async def _claim_rank(self) -> int:
+        """Take a rank slot with SET NX PX: the first free one, or the one asked for."""
+        ttl = self.s.heartbeat_ms * 3
+        wanted = [self.rank] if self.rank >= 0 else list(range(self.s.ranks))
+        deadline = time.monotonic() + max(10.0, ttl / 1000 * 2)
+        while time.monotonic() < deadline:
+            for r in wanted:
+                if await self.r.set(self.keys.rank_alive(r), self.token, nx=True, px=ttl):
+                    return r
+            await asyncio.sleep(ttl / 1000 / 4)   # a dead rank's key lapses within ttl
+        raise ClaimFailed(f"no free rank slot among {wanted} in namespace {self.s.namespace!r}; "
+                          f"are {self.s.ranks} engine-workers already running?")
+
+    async def _heartbeat(self) -> None:
+        ttl = self.s.heartbeat_ms * 3
+        while True:
+            try:
+                await self.r.set(self.keys.rank_alive(self.rank), self.token, px=ttl)
+            except Exception as exc:  # noqa: BLE001 - keep beating through blips
+                self.log.warning("heartbeat_failed", error=str(exc))
+            await asyncio.sleep(self.s.heartbeat_ms / 1000)
+
+    async def _prepare_streams(self) -> None:
+        inbox = self.keys.inbox(self.rank)
+        await ensure_group(self.r, inbox, K.ENGINE_GROUP, "0")
+        groups = await self.r.xinfo_groups(inbox)
+        for g in groups:
+            g = {(k.decode() if isinstance(k, bytes) else k): v for k, v in g.items()}
+            if g["name"] in (K.ENGINE_GROUP, K.ENGINE_GROUP.encode()):
+                self.inbox_last = g["last-delivered-id"]
+        last = await self.r.xrevrange(self.keys.wave, count=1)
+        if last:
+            self.wave_last = last[0][0]
+        await self.r.hset(self.keys.rank_info(self.rank), mapping={
+            "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend,
+            "started": time.time(), "token": self.token})
+        # Entries delivered to a previous owner of this rank and never acked: take them over.
+        pending = await self.r.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {inbox: "0"}, count=10_000)
+        self.fetched.extend((eid, doc) for _, eid, doc in decode_entries(pending))
+
+    async def _rendezvous(self) -> tuple[str, int]:
+        """Rank 0 publishes where the group meets; the others wait for it (bounded)."""
+        if self.s.ranks == 1:
+            return self.s.host, 0
+        if self.rank == 0:
+            port = free_port()
+            await self.r.hset(self.keys.dist, mapping={
+                "addr": self.s.host, "port": port, "world": self.s.ranks, "token": self.token, "t": time.time()})
+            return self.s.host, port
+        deadline = time.monotonic() + self.s.collective_timeout_s
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            d = await self.r.hgetall(self.keys.dist)
+            rank0 = await self.r.get(self.keys.rank_alive(0))
+            if d and rank0 and d.get(b"token") == rank0:
+                return d[b"addr"].decode(), int(d[b"port"])
+            await asyncio.sleep(0.05)
+        raise TimeoutError("rank 0 did not publish the rendezvous address in time")
+
+    async def _release(self) -> None:
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            if await self.r.get(self.keys.rank_alive(self.rank)) == self.token.encode():
+                pipe.delete(self.keys.rank_alive(self.rank))
+            if self.rank == 0:
+                pipe.delete(self.keys.dist)
+            await pipe.execute()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        grp = getattr(self, "group", None)
+        if grp is not None:
+            await asyncio.to_thread(grp.close)
+        await self.r.aclose()
+
+    # ------------------------------------------------------------------ step loop
+    async def _step_loop(self) -> None:
+        while True:
+            self._ingest()
+            plan = self.core.schedule()
+            row = [int(self.core.has_work()), plan.num_tokens, plan.max_context, 0, 0,
+                   int(self.stopping.is_set())]
+            view: StepView = await asyncio.to_thread(self.group.exchange, row)
+            action = view.action(self.rank)
+            if action is Action.STOP:
+                self.log.info("engine_stopping", wave=self.wave, step=self.step)
+                return
+            if action is Action.PAUSE:
+                await self._flush_outputs()
+                self.wave += 1
+                self.step = 0
+                await self._pause()
+                continue
+            t0 = time.perf_counter()
+            sampled = await self._forward(plan, action, view)
+            outputs = self.core.postprocess(plan, sampled, time.time())
+            dur_ms = (time.perf_counter() - t0) * 1000
+            await self._publish(plan, outputs, action, dur_ms)
+            self.step += 1
+
+    async def _forward(self, plan: Any, action: Action, view: StepView) -> dict[str, int]:
+        t0 = time.perf_counter()
+        if self.s.backend == "torch":
+            sampled = await asyncio.to_thread(self.backend.run, plan.chunks if action is Action.RUN else [])
+        else:
+            sampled = self.backend.run(plan.chunks, self.prompts, self.ignore_eos) if action is Action.RUN else {}
+            # Lockstep: the step lasts as long as the busiest rank's modeled forward.
+            modeled_s = self.cost.step_ms(view.max_tokens, view.max_ctx) * self.s.time_scale / 1000
+            left = modeled_s - (time.perf_counter() - t0)
+            if left > 0:
+                await asyncio.sleep(left)
+        if action is Action.IDLE:
+            self.idle_forwards += 1
+        return sampled
+
+    def _ingest(self) -> None:
+        """Admit what the last round trip fetched from the inbox (requests and aborts)."""
+        fetched, self.fetched = self.fetched, []
+        for eid, doc in fetched:
+            kind = doc.get("k")
+            if kind == "req":
+                req = Request.from_dict(doc)
+                if req.id in self.entry_of:          # redelivery: already running here
+                    self._acks.append(eid)
+                    continue
+                if req.dispatcher:
+                    self.recv[req.dispatcher] = max(self.recv.get(req.dispatcher, 0), req.dispatch_seq)
+                seq = Sequence.from_request(req, req.dispatcher or "", req.dispatch_seq)
+                self.entry_of[req.id] = eid
+                self.prompts[req.id] = req.prompt
+                self.ignore_eos[req.id] = req.params.ignore_eos
+                rejected = self.core.add(seq, time.time())
+                if rejected is not None:      # can never run here, or nothing left to generate
+                    self._early.append(rejected)
+            elif kind == "abort":
+                ab = Abort.from_dict(doc)
+                seq = self.core.abort(ab.id)
+                self._acks.append(eid)
+                if seq is not None:
+                    self._aborted.append(seq)
+            else:
+                self._acks.append(eid)
+                self.log.warning("inbox_entry_ignored", kind=kind)
+
+    async def _publish(self, plan: Any, outputs: list[Any], action: Action, dur_ms: float) -> None:
+        """One pipelined round trip: deltas, request state, step stats, acks, next inbox read."""
+        now = time.time()
+        pipe = self.r.pipeline(transaction=False)
+        finished = self._write_outputs(pipe, outputs, now)
+        ran = action is Action.RUN
+        stats = RankStats(
+            rank=self.rank, wave=self.wave, step=self.step, waiting=self.core.num_waiting,
+            running=self.core.num_running, scheduled=plan.num_tokens if ran else 0,
+            prefill=plan.prefill_tokens if ran else 0, decode=plan.decode_tokens if ran else 0,
+            kv_used=self.core.kv_used, kv_total=self.core.kv_total,
+            outstanding=self.core.outstanding_tokens(), idle=action is Action.IDLE,
+            dur_ms=round(dur_ms, 3), t=now, finished=finished, recv=dict(self.recv))
+        blob = dumps(stats.to_dict())
+        step_key = self.keys.step(self.wave, self.step)
+        pipe.hset(step_key, str(self.rank), blob)
+        pipe.expire(step_key, K.STEP_HASH_TTL_S)
+        pipe.xadd(self.keys.stats, {FIELD: blob}, maxlen=K.STATS_STREAM_MAXLEN, approximate=True)
+        pipe.hset(self.keys.rank_info(self.rank), mapping={"stats": blob, "idle_forwards": self.idle_forwards,
+                                                           "wave": self.wave, "step": self.step})
+        room = max(0, self.s.max_num_seqs * 2 - self.core.num_waiting)
+        if room:
+            pipe.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {self.keys.inbox(self.rank): ">"}, count=room)
+        results = await pipe.execute()
+        if room:
+            self._take_fetched(results[-1])
+
+    async def _flush_outputs(self) -> None:
+        """Before a pause: send what is pending (rejections, aborts, acks) without a step."""
+        if self._early or self._aborted or self._acks:
+            pipe = self.r.pipeline(transaction=False)
+            self._write_outputs(pipe, [], time.time())
+            await pipe.execute()
+
+    def _write_outputs(self, pipe: Any, outputs: list[Any], now: float) -> int:
+        """Queue deltas (one stream entry per api-server), request records and acks."""
+        by_api: dict[str, list[Delta]] = defaultdict(list)
+        acks, self._acks = self._acks, []
+        if self._early:
+            outputs = [*self._early, *outputs]
+            self._early = []
+        finished = 0
+        for out in outputs:
+            seq = out.seq
+            by_api[seq.api].append(Delta(seq.id, out.pos, out.new_tokens, out.finish_reason,
+                                         prompt_tokens=len(seq.prompt), rank=self.rank, error=seq.error))
+            if out.finish_reason is not None:
+                finished += 1
+                acks.append(self._forget(seq.id))
+                pipe.hset(self.keys.req(seq.id), mapping={
+                    "state": "finished", "finish": out.finish_reason, "rank": self.rank,
+                    "tokens": len(seq.generated), "t_finished": now})
+                pipe.expire(self.keys.req(seq.id), K.REQ_HASH_TTL_S)
+        aborted, self._aborted = self._aborted, []
+        for seq in aborted:
+            by_api[seq.api].append(Delta(seq.id, len(seq.generated), [], "abort",
+                                         prompt_tokens=len(seq.prompt), rank=self.rank))
+            acks.append(self._forget(seq.id))
+        for api, deltas in by_api.items():
+            pipe.xadd(self.keys.out(api), {FIELD: encode_deltas(deltas)}, maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
+        acks = [a for a in acks if a]
+        if acks:
+            pipe.xack(self.keys.inbox(self.rank), K.ENGINE_GROUP, *acks)
+        return finished
+
+    def _take_fetched(self, resp: Any) -> None:
+        for _, eid, doc in decode_entries(resp):
+            self.fetched.append((eid, doc))
+            self.inbox_last = eid
+
+    def _forget(self, seq_id: str) -> bytes | None:
+        self.prompts.pop(seq_id, None)
+        self.ignore_eos.pop(seq_id, None)
+        free = getattr(self.backend, "free_seq", None)
+        if free is not None:
+            free(seq_id)
+        return self.entry_of.pop(seq_id, None)
+
+    # ------------------------------------------------------------------ pause / wake
+    async def _pause(self) -> None:
+        """Nobody has work: sleep on Redis (no busy loop, no dummy forwards) until work
+        reaches this rank's inbox or another rank announces the new wave. Reads resume
+        from the last ids seen, so an arrival between the decision and the read is never
+        missed."""
+        inbox = self.keys.inbox(self.rank)
+        woke_by_me = False
+        while not self.stopping.is_set():
+            resp = await self.r.xread({inbox: self.inbox_last, self.keys.wave: self.wave_last},
+                                      block=self.s.heartbeat_ms, count=16)
+            woke = False
+            for stream, eid, doc in decode_entries(resp):
+                if stream.decode() == self.keys.wave:
+                    self.wave_last = eid
+                    if int(doc.get("w", -1)) >= self.wave:
+                        woke = True
+                else:
+                    woke = woke_by_me = True
+            if woke:
+                break
+        if woke_by_me or self.stopping.is_set():
+            await self.r.xadd(self.keys.wave, {FIELD: dumps({"w": self.wave, "r": self.rank})},
+                              maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
+        resp = await self.r.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {inbox: ">"},
+                                       count=max(1, self.s.max_num_seqs * 2))
+        self._take_fetched(resp)
+
+
+def main(settings: EngineSettings) -> int:
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    worker = EngineWorker(settings)
+    return asyncio.run(worker.run())

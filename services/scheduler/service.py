@@ -1,0 +1,315 @@
+"""The scheduler service: dispatch and the step-consistent load view (imperative shell).
+
+Three loops share one policy object and one aggregator (both pure):
+- requests: XREADGROUP the request stream -> policy -> one pipeline that writes the
+  rank inboxes, the request records and the acks;
+- stats: XREAD the engines' step reports -> StepAggregator -> publish each finalized
+  snapshot (hash + pub/sub) and hand it to the policy;
+- membership: heartbeats and drained ranks -> which ranks may get work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from shared import keys as K
+from shared.bus import RedisUnreachable, check_reachable, connect, decode_entries, ensure_group
+from shared.logging import configure
+from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
+from shared.policy.aggregator import StepAggregator
+from shared.policy.base import Assignment, RequestInfo
+from shared.policy.registry import make_policy
+from shared.settings import SchedulerSettings
+from shared.stats import RankStats, Snapshot
+
+ASSIGNED_MEMORY = 200_000   # request id -> rank, for routing aborts (LRU, bounded)
+
+
+class SchedulerService:
+    def __init__(self, settings: SchedulerSettings) -> None:
+        self.s = settings
+        self.keys = K.Keys(settings.namespace)
+        self.id = f"sched-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.log = configure("scheduler", settings.log_level, scheduler=self.id)
+        self.ranks = list(range(settings.ranks))
+        self.policy = make_policy(settings.policy, dispatcher_id="scheduler",
+                                  num_api_servers=settings.num_api_servers, ranks=self.ranks,
+                                  **({"max_wait_ms": settings.max_wait_ms} if settings.policy == "staggered" else {}))
+        self.batching = hasattr(self.policy, "submit")
+        self.agg = StepAggregator(self.ranks, grace_s=settings.grace_ms / 1000,
+                                  min_interval_s=settings.snapshot_min_interval_ms / 1000)
+        self.assigned: OrderedDict[str, int] = OrderedDict()
+        self.held: dict[str, tuple[bytes, Request]] = {}   # staggered: request id -> (entry, request)
+        self.wake_batcher = asyncio.Event()
+        self.stop = asyncio.Event()
+        self.counters = {"dispatched": 0, "explicit": 0, "aborts_routed": 0, "snapshots": 0, "bad_entries": 0}
+        self.live: list[int] = list(self.ranks)
+        self.drained: set[int] = set()
+        self.last_snapshot: Snapshot | None = None
+
+    async def run(self) -> int:
+        try:
+            await check_reachable(self.s.redis_url)
+        except RedisUnreachable as exc:
+            self.log.error("redis_unreachable", error=str(exc))
+            return 2
+        self.r = connect(self.s.redis_url)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop.set)
+        await ensure_group(self.r, self.keys.requests, K.SCHEDULER_GROUP, "0")
+        if not await self._become_leader():
+            return 0
+        self.log.info("scheduler_leading", policy=self.s.policy, ranks=self.s.ranks)
+        tasks = [asyncio.create_task(c) for c in (
+            self._request_loop(), self._stats_loop(), self._membership_loop(), self._lease_loop())]
+        if self.batching:
+            tasks.append(asyncio.create_task(self._batch_loop()))
+        stopper = asyncio.create_task(self.stop.wait())
+        done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for t in done:
+            if t is not stopper and t.exception():
+                self.log.error("scheduler_failed", error=repr(t.exception()))
+        try:
+            if await self.r.get(self.keys.leader) == self.id.encode():
+                await self.r.delete(self.keys.leader)
+        finally:
+            await self.r.aclose()
+        return 0
+
+    # ------------------------------------------------------------------ leadership
+    async def _become_leader(self) -> bool:
+        while not self.stop.is_set():
+            if await self.r.set(self.keys.leader, self.id, nx=True, px=self.s.lease_ms):
+                await self.r.hset(self.keys.scheduler, mapping={"leader": self.id, "pid": os.getpid(),
+                                                                "policy": self.s.policy, "since": time.time()})
+                return True
+            try:
+                await asyncio.wait_for(self.stop.wait(), self.s.lease_ms / 3000)
+            except TimeoutError:
+                pass
+        return False
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.s.lease_ms / 3000)
+            ok = await self.r.set(self.keys.leader, self.id, xx=True, px=self.s.lease_ms,
+                                  get=True)
+            if ok is None or ok != self.id.encode():
+                self.log.error("leadership_lost", holder=ok)
+                self.stop.set()
+                return
+            await self.r.hset(self.keys.scheduler, mapping={
+                "counters": dumps({**self.counters, **self._agg_counters()}), "t": time.time(),
+                "live": dumps(self.live), "drained": dumps(sorted(self.drained))})
+
+    def _agg_counters(self) -> dict[str, int]:
+        return {f"agg_{k}": int(getattr(self.agg, k, 0)) for k in
+                ("finalized", "published", "stale_dropped", "duplicates", "carried_total")}
+
+    # ------------------------------------------------------------------ requests
+    async def _request_loop(self) -> None:
+        stream = self.keys.requests
+        # First what this consumer (or a dead predecessor) read but never acked.
+        await self._reclaim_pending()
+        while True:
+            resp = await self.r.xreadgroup(K.SCHEDULER_GROUP, self.id, {stream: ">"},
+                                           count=self.s.read_count, block=1000)
+            entries = decode_entries(resp)
+            if entries:
+                await self._handle(entries)
+
+    async def _reclaim_pending(self) -> None:
+        start = "0-0"
+        while True:
+            nxt, claimed, *_ = await self.r.xautoclaim(self.keys.requests, K.SCHEDULER_GROUP, self.id,
+                                                        min_idle_time=0, start_id=start, count=1000)
+            entries = decode_entries([(self.keys.requests.encode(), claimed)]) if claimed else []
+            if entries:
+                self.log.info("reclaimed_requests", n=len(entries))
+                await self._handle(entries)
+            if nxt in (b"0-0", "0-0"):
+                return
+            start = nxt
+
+    async def _handle(self, entries: list[tuple[bytes, bytes, dict[str, Any]]]) -> None:
+        now = time.time()
+        pipe = self.r.pipeline(transaction=False)
+        acks: list[bytes] = []
+        for _, eid, doc in entries:
+            kind = doc.get("k")
+            try:
+                if kind == "req":
+                    req = Request.from_dict(doc)
+                    info = RequestInfo(req.id, req.prompt_tokens, req.params.max_tokens, req.arrival)
+                    if req.rank is not None:
+                        self.counters["explicit"] += 1
+                        self._emit(pipe, req, self.policy.note_explicit(info, req.rank, now), now)
+                        acks.append(eid)
+                    elif self.batching:
+                        self.held[req.id] = (eid, req)
+                        for a in self.policy.submit(info, now):
+                            acks.append(self._release(pipe, a, now))
+                        self.wake_batcher.set()
+                    else:
+                        self._emit(pipe, req, self.policy.choose(info, now), now)
+                        acks.append(eid)
+                elif kind == "abort":
+                    self._route_abort(pipe, Abort.from_dict(doc))
+                    acks.append(eid)
+                else:
+                    raise ValueError(f"unknown kind {kind!r}")
+            except Exception as exc:  # noqa: BLE001 - one bad entry must not stop dispatch
+                self.counters["bad_entries"] += 1
+                self.log.warning("bad_request_entry", entry=eid.decode(), error=str(exc))
+                acks.append(eid)
+        if acks:
+            pipe.xack(self.keys.requests, K.SCHEDULER_GROUP, *acks)
+        await pipe.execute()
+
+    def _emit(self, pipe: Any, req: Request, a: Assignment, now: float) -> None:
+        req.rank = a.rank
+        req.batch = a.batch
+        req.batch_counts = list(a.batch_counts) if a.batch_counts else None
+        req.dispatcher = a.dispatcher or "scheduler"
+        req.dispatch_seq = a.seq
+        pipe.xadd(self.keys.inbox(a.rank), {FIELD: dumps(req.to_dict())})
+        rec = {"state": "dispatched", "rank": a.rank, "api": req.api, "t_arrival": req.arrival,
+               "t_dispatched": now, "prompt_tokens": req.prompt_tokens, "max_tokens": req.params.max_tokens,
+               "reason": a.reason}
+        if a.batch:
+            rec["batch"] = a.batch
+        pipe.hset(self.keys.req(req.id), mapping=rec)
+        pipe.expire(self.keys.req(req.id), K.REQ_HASH_TTL_S)
+        self.assigned[req.id] = a.rank
+        if len(self.assigned) > ASSIGNED_MEMORY:
+            self.assigned.popitem(last=False)
+        self.counters["dispatched"] += 1
+
+    def _release(self, pipe: Any, a: Assignment, now: float) -> bytes:
+        eid, req = self.held.pop(a.request_id)
+        self._emit(pipe, req, a, now)
+        return eid
+
+    def _route_abort(self, pipe: Any, ab: Abort) -> None:
+        held = self.held.pop(ab.id, None)
+        if held is not None:
+            # Never reached a rank: answer the api-server directly.
+            eid, req = held
+            drop = getattr(self.policy, "drop", None)
+            if drop is not None:
+                drop(ab.id)
+            pipe.xadd(self.keys.out(req.api), {FIELD: encode_deltas([Delta(ab.id, 0, [], "abort")])},
+                      maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
+            pipe.xack(self.keys.requests, K.SCHEDULER_GROUP, eid)
+            return
+        rank = self.assigned.get(ab.id, ab.rank)
+        if rank is None:
+            return   # unknown: finished long ago, or never placed
+        ab.rank = rank
+        pipe.xadd(self.keys.inbox(rank), {FIELD: dumps(ab.to_dict())})
+        self.counters["aborts_routed"] += 1
+
+    async def _batch_loop(self) -> None:
+        while True:
+            deadline = self.policy.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - time.time())
+            self.wake_batcher.clear()
+            try:
+                await asyncio.wait_for(self.wake_batcher.wait(), timeout)
+            except TimeoutError:
+                pass
+            released = self.policy.poll(time.time())
+            if released:
+                now = time.time()
+                pipe = self.r.pipeline(transaction=False)
+                acks = [self._release(pipe, a, now) for a in released]
+                self._record_batches(pipe, released)
+                pipe.xack(self.keys.requests, K.SCHEDULER_GROUP, *acks)
+                await pipe.execute()
+
+    def _record_batches(self, pipe: Any, released: list[Assignment]) -> None:
+        seen: set[str] = set()
+        for a in released:
+            if a.batch and a.batch not in seen:
+                seen.add(a.batch)
+                pipe.hset(self.keys.batch(a.batch), mapping={
+                    "counts": dumps(list(a.batch_counts or ())), "reason": a.reason, "t": time.time()})
+                pipe.expire(self.keys.batch(a.batch), K.BATCH_HASH_TTL_S)
+
+    # ------------------------------------------------------------------ step stats
+    async def _stats_loop(self) -> None:
+        last = "$"
+        while True:
+            deadline = self.agg.next_deadline()
+            block_ms = 1000 if deadline is None else max(1, int((deadline - time.time()) * 1000))
+            resp = await self.r.xread({self.keys.stats: last}, block=block_ms, count=4096)
+            now = time.time()
+            snaps: list[Snapshot] = []
+            for _, eid, doc in decode_entries(resp):
+                last = eid
+                try:
+                    snap = self.agg.report(RankStats.from_dict(doc), now)
+                except Exception as exc:  # noqa: BLE001
+                    self.log.warning("bad_stats_entry", error=str(exc))
+                    continue
+                if snap is not None:
+                    snaps.append(snap)
+            snap = self.agg.tick(now)
+            if snap is not None:
+                snaps.append(snap)
+            if snaps:
+                await self._publish(snaps)
+
+    async def _publish(self, snaps: list[Snapshot]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for snap in snaps:
+            self.policy.on_snapshot(snap)
+            blob = dumps(snap.to_dict())
+            pipe.xadd(self.keys.steps, {FIELD: blob}, maxlen=K.STATS_STREAM_MAXLEN, approximate=True)
+        newest = snaps[-1]
+        blob = dumps(newest.to_dict())
+        pipe.hset(self.keys.snapshot, mapping={"json": blob, "seq": newest.seq, "wave": newest.wave,
+                                               "step": newest.step, "t": newest.t})
+        pipe.publish(self.keys.snapshot_channel, blob)
+        self.last_snapshot = newest
+        self.counters["snapshots"] += len(snaps)
+        if self.batching:
+            self.wake_batcher.set()
+        await pipe.execute()
+
+    # ------------------------------------------------------------------ membership
+    async def _membership_loop(self) -> None:
+        while True:
+            pipe = self.r.pipeline(transaction=False)
+            for r in self.ranks:
+                pipe.exists(self.keys.rank_alive(r))
+            pipe.smembers(self.keys.drained)
+            res = await pipe.execute()
+            live = [r for r, alive in zip(self.ranks, res[:-1]) if alive]
+            drained = {int(x) for x in res[-1]}
+            if live != self.live or drained != self.drained:
+                self.log.info("ranks_changed", live=live, drained=sorted(drained))
+                self.live, self.drained = live, drained
+                self.agg.set_live(live)
+                eligible = [r for r in live if r not in drained] or [r for r in self.ranks if r not in drained]
+                self.policy.set_ranks(eligible or self.ranks)
+            await asyncio.sleep(0.25)
+
+
+def main(settings: SchedulerSettings) -> int:
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(SchedulerService(settings).run())

@@ -1,0 +1,350 @@
+"""Discrete-event simulation of one engine group behind api-servers and a scheduler.
+
+Virtual clock (seconds). Components and the hops between them, each a modeled latency
+(``SimConfig``, in ms, plus a seeded jitter; per-inbox FIFO is kept, as Redis streams do):
+
+    client --(trace)--> api-server a
+      scheduler dispatch:  api --api_to_sched--> scheduler policy --sched_to_rank--> rank inbox
+      client dispatch:     api-server a's own policy instance --api_to_rank--> rank inbox
+    rank stats (end of step) --stats--> StepAggregator --publish--> every dispatcher's policy
+
+Engines read their inboxes at step boundaries (a request that lands just after a step began
+waits for the next boundary) and run in lockstep (engine_model.EngineGroup). The policies
+are the project's own objects (``make_policy``) or the baseline classes, driven through the
+protocols of shared/policy/base.py; snapshots come from the project's StepAggregator
+(``min_interval_s`` gives the peers' publication cadence). Everything is a pure function of
+the trace, the config and the seed: the same inputs give the same numbers.
+
+The ideal (for efficiency vs. ideal): the same trace on one pooled rank with the capacity
+of all ranks (budget, sequences and KV × ranks) whose step costs
+``step_ms(total tokens / ranks, total context / ranks)`` — every step perfectly balanced,
+no dispatch latency, no idle forwards. ``efficiency = throughput / ideal throughput``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from shared.cost_model import CostModel
+from shared.policy.aggregator import StepAggregator
+from shared.policy.base import RequestInfo
+from services.simulator.baselines import PolicySpec, policy_specs
+from services.simulator.engine_model import AdpGate, BatchGate, EngineConfig, EngineGroup
+from services.simulator.workload import Trace
+
+ARRIVE, SCHED, DELIVER, STATS, SNAP, POLL, AGG_TICK = range(7)
+INF = math.inf
+
+
+@dataclass
+class SimConfig:
+    ranks: int = 8
+    api_servers: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    cost: CostModel = field(default_factory=CostModel)
+    api_to_sched_ms: float = 0.5     # api-server -> scheduler (XADD + XREADGROUP)
+    sched_to_rank_ms: float = 0.5    # scheduler -> rank inbox
+    api_to_rank_ms: float = 0.5      # api-server -> rank inbox (client dispatch)
+    stats_ms: float = 0.5            # rank report -> scheduler
+    publish_ms: float = 0.5          # snapshot -> dispatchers (pub/sub)
+    jitter_ms: float = 0.5           # uniform extra latency per hop (seeded)
+    grace_ms: float = 50.0           # StepAggregator grace
+    lockstep_gate_timeout_ms: float = 50.0
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["engine"] = asdict(self.engine)
+        d["cost"] = self.cost.to_dict()
+        return d
+
+
+@dataclass
+class RunResult:
+    name: str
+    arrival: np.ndarray
+    output: np.ndarray
+    first_t: np.ndarray
+    finish_t: np.ndarray
+    rank_of: np.ndarray
+    step_t: np.ndarray          # step start times
+    step_dur: np.ndarray        # seconds
+    scheduled: np.ndarray       # steps x ranks (int32)
+    decode_tokens: np.ndarray   # per step, all ranks
+    wall_s: float = 0.0
+    counters: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def completed(self) -> int:
+        return int(np.isfinite(self.finish_t).sum())
+
+
+class _Recorder:
+    def __init__(self, ranks: int) -> None:
+        self.t: list[float] = []
+        self.dur: list[float] = []
+        self.rows: list[np.ndarray] = []
+        self.dec: list[int] = []
+
+    def add(self, t: float, dur: float, sched: np.ndarray, dec_total: int) -> None:
+        self.t.append(t)
+        self.dur.append(dur)
+        self.rows.append(sched)
+        self.dec.append(dec_total)
+
+    def arrays(self, ranks: int) -> tuple[np.ndarray, ...]:
+        sched = np.vstack(self.rows).astype(np.int32) if self.rows else np.zeros((0, ranks), np.int32)
+        return (np.asarray(self.t), np.asarray(self.dur), sched, np.asarray(self.dec, dtype=np.int64))
+
+
+def _make_gate(spec: PolicySpec):
+    if not spec.gate:
+        return None
+    if spec.gate[0] == "batch":
+        return BatchGate(spec.gate[1])
+    if spec.gate[0] == "adp":
+        return AdpGate(spec.gate[1], spec.gate[2])
+    raise ValueError(f"unknown gate {spec.gate!r}")
+
+
+def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
+               progress: Callable[[int], None] | None = None) -> RunResult:
+    """Simulate ``trace`` under one policy. Deterministic in (trace, spec, cfg)."""
+    wall0 = time.perf_counter()
+    R, N = cfg.ranks, cfg.api_servers
+    n = len(trace)
+    ranks = list(range(R))
+    eng = EngineGroup(R, cfg.engine, cfg.cost, trace.prompt, trace.output, gate=_make_gate(spec))
+    rng = np.random.default_rng(cfg.seed + 7919)
+    jit = cfg.jitter_ms / 1000.0
+    jitters = rng.uniform(0.0, jit, size=4 * n + 16) if jit > 0 else np.zeros(4 * n + 16)
+    jpos = 0
+
+    n_disp = N if spec.client_mode else 1
+    pols = [spec.factory(dispatcher_id=(f"api-{a}" if spec.client_mode else "scheduler"),
+                         client_index=a, num_api_servers=N, client_mode=spec.client_mode,
+                         ranks=ranks, block_size=cfg.engine.block_size) for a in range(n_disp)]
+    batching = hasattr(pols[0], "submit")
+    agg = StepAggregator(ranks, grace_s=cfg.grace_ms / 1000.0, min_interval_s=spec.snapshot_interval_s)
+    filt = spec.publish_filter() if spec.publish_filter else None
+    stats_lag = cfg.stats_ms / 1000.0 if spec.view_delay else 0.0
+    pub_lag = cfg.publish_ms / 1000.0 if spec.view_delay else 0.0
+
+    t_arr = trace.t.tolist()
+    api = trace.api.tolist()
+    prompt = trace.prompt.tolist()
+    output = trace.output.tolist()
+    reqs: list[RequestInfo | None] = [None] * n
+    heap: list[tuple] = []
+    ctr = 0
+    inbox_last = [0.0] * R          # FIFO per rank inbox
+    poll_armed: list[float | None] = [None] * n_disp
+    agg_armed: list[float | None] = [None]
+    lat_a2s = cfg.api_to_sched_ms / 1000.0
+    lat_s2r = cfg.sched_to_rank_ms / 1000.0
+    lat_a2r = cfg.api_to_rank_ms / 1000.0
+
+    def push(t: float, kind: int, a: Any = None, b: Any = None) -> None:
+        nonlocal ctr
+        ctr += 1
+        heapq.heappush(heap, (t, ctr, kind, a, b))
+
+    def send(asg, t: float, lat: float) -> None:
+        nonlocal jpos
+        r = asg.rank
+        td = t + lat + jitters[jpos % jitters.size]
+        jpos += 1
+        if td < inbox_last[r]:
+            td = inbox_last[r]
+        inbox_last[r] = td
+        push(td, DELIVER, asg)
+
+    def arm_poll(k: int) -> None:
+        d = pols[k].next_deadline()
+        if d is not None and d != poll_armed[k]:
+            poll_armed[k] = d
+            push(d, POLL, k)
+
+    def arm_agg() -> None:
+        d = agg.next_deadline()
+        if d is not None and d != agg_armed[0]:
+            agg_armed[0] = d
+            push(d, AGG_TICK)
+
+    def publish(snap, t: float) -> None:
+        if snap is not None:
+            push(t + pub_lag, SNAP, snap)
+
+    def request(i: int) -> RequestInfo:
+        q = reqs[i]
+        if q is None:
+            q = reqs[i] = RequestInfo(str(i), prompt[i], output[i], t_arr[i])
+        return q
+
+    def dispatch(k: int, i: int, t: float, lat: float) -> None:
+        p = pols[k]
+        if batching:
+            for asg in p.submit(request(i), t):
+                send(asg, t, lat)
+            arm_poll(k)
+        else:
+            send(p.choose(request(i), t), t, lat)
+
+    def handle(t: float, kind: int, a: Any, b: Any) -> None:
+        if kind == ARRIVE:
+            if spec.client_mode:
+                dispatch(api[a], a, t, lat_a2r)
+            else:
+                push(t + lat_a2s, SCHED, a)
+        elif kind == SCHED:
+            dispatch(0, a, t, lat_s2r)
+        elif kind == DELIVER:
+            eng.deliver(a, int(a.request_id))
+        elif kind == STATS:
+            snap = None
+            for st in a:
+                s = agg.report(st, t)
+                if s is not None:
+                    snap = s
+            publish(snap, t)
+            arm_agg()
+        elif kind == SNAP:
+            for k, p in enumerate(pols):
+                p.on_snapshot(a)
+                if batching:
+                    arm_poll(k)
+        elif kind == POLL:
+            if poll_armed[a] == t:
+                poll_armed[a] = None
+                for asg in pols[a].poll(t):
+                    send(asg, t, lat_s2r if not spec.client_mode else lat_a2r)
+                arm_poll(a)
+        elif kind == AGG_TICK:
+            if agg_armed[0] == t:
+                agg_armed[0] = None
+                publish(agg.tick(t), t)
+                arm_agg()
+
+    ai = 0
+
+    def process_until(T: float) -> None:
+        nonlocal ai
+        while True:
+            ta = t_arr[ai] if ai < n else INF
+            th = heap[0][0] if heap else INF
+            if ta <= th:
+                if ta > T:
+                    return
+                ai += 1
+                handle(ta, ARRIVE, ai - 1, None)
+            else:
+                if th > T:
+                    return
+                e = heapq.heappop(heap)
+                handle(e[0], e[2], e[3], e[4])
+
+    def next_event() -> float:
+        ta = t_arr[ai] if ai < n else INF
+        th = heap[0][0] if heap else INF
+        return min(ta, th)
+
+    rec = _Recorder(R)
+    wave = step = 0
+    paused = True
+    t = t_arr[0] if n else 0.0
+    last_done = 0
+    filt_on = filt is not None
+    while eng.done < n:
+        process_until(t)
+        out = eng.step(t)
+        if out is None:
+            if not paused:
+                paused = True
+                wave += 1
+                step = 0
+            tn = next_event()
+            gd = eng.next_deadline()
+            if gd is not None and gd > t:
+                tn = min(tn, gd)
+            if tn == INF:
+                raise RuntimeError(f"{spec.name}: stuck at t={t:.3f}s with {n - eng.done} requests "
+                                   f"unfinished (delivered {eng.delivered})")
+            t = max(tn, t)
+            continue
+        paused = False
+        step += 1
+        t_end = t + out.dur_s
+        rec.add(t, out.dur_s, out.scheduled, int(out.decode.sum()))
+        stats = eng.rank_stats(wave, step, t_end, out, with_tokens=spec.with_tokens)
+        if filt_on:
+            stats = filt(stats)
+        push(t_end + stats_lag, STATS, stats)
+        t = t_end
+        if progress is not None and eng.done - last_done >= 1000:
+            progress(eng.done - last_done)
+            last_done = eng.done
+    if progress is not None and eng.done > last_done:
+        progress(eng.done - last_done)
+    st, dur, sched, dec = rec.arrays(R)
+    counters: dict[str, Any] = {"steps": int(st.size), "waves": wave + (0 if paused else 1),
+                                "aggregator": agg.counters()}
+    g = eng.gate
+    if isinstance(g, BatchGate):
+        counters["gate_released_full"] = g.released_full
+        counters["gate_released_timeout"] = g.released_timeout
+    elif isinstance(g, AdpGate):
+        counters["gate_held_steps"] = g.held_steps
+    p0 = pols[0]
+    if hasattr(p0, "stats") and callable(p0.stats):
+        try:
+            counters["policy"] = {k: v for k, v in p0.stats().items()
+                                  if isinstance(v, (int, float, str)) or v is None}
+        except Exception:  # a policy's status view must not break a run
+            pass
+    return RunResult(spec.name, trace.t, trace.output, eng.first_t, eng.finish_t, eng.rank_of,
+                     st, dur, sched, dec, time.perf_counter() - wall0, counters)
+
+
+def run_ideal(trace: Trace, cfg: SimConfig) -> RunResult:
+    """The same trace with perfectly balanced steps (see the module docstring)."""
+    wall0 = time.perf_counter()
+    R = cfg.ranks
+    eng = EngineGroup(1, cfg.engine.pooled(R), cfg.cost, trace.prompt, trace.output, cost_divisor=R)
+    t_arr = trace.t.tolist()
+    n = len(t_arr)
+    rec = _Recorder(1)
+    ai = 0
+    t = t_arr[0]
+    while eng.done < n:
+        while ai < n and t_arr[ai] <= t:
+            eng.ingest(0, ai)
+            ai += 1
+        out = eng.step(t)
+        if out is None:
+            if ai >= n:
+                raise RuntimeError("ideal run stuck")
+            t = t_arr[ai]
+            continue
+        rec.add(t, out.dur_s, out.scheduled, int(out.decode.sum()))
+        t += out.dur_s
+    st, dur, sched, dec = rec.arrays(1)
+    return RunResult("ideal", trace.t, trace.output, eng.first_t, eng.finish_t, eng.rank_of,
+                     st, dur, sched, dec, time.perf_counter() - wall0, {"steps": int(st.size)})
+
+
+def resolve_policies(names: str | list[str], cfg: SimConfig) -> list[PolicySpec]:
+    specs = policy_specs(cfg.lockstep_gate_timeout_ms / 1000.0)
+    if isinstance(names, str):
+        names = [x.strip() for x in names.split(",") if x.strip()]
+    if not names or names == ["all"]:
+        return list(specs.values())
+    bad = [x for x in names if x not in specs]
+    if bad:
+        raise ValueError(f"unknown policies {bad}; choose from: all, {', '.join(specs)}")
+    return [specs[x] for x in names]

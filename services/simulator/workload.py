@@ -1,0 +1,164 @@
+"""Request traces for the simulator: generated (Poisson, bursty on/off, heavy-tailed
+lengths) or read from a JSONL file. A trace is a set of numpy arrays sorted by arrival.
+
+All generators are deterministic functions of ``seed``.
+
+* ``poisson``: exponential inter-arrival gaps at ``rate`` requests/s; prompt and output
+  lengths log-normal (prompt median 384, output median 128).
+* ``bursty``: on/off (a two-state Markov-modulated Poisson process). The cycle is
+  ``BURST_PERIOD_S`` long; the first ``BURST_ON_FRACTION`` of it arrives at
+  ``BURST_FACTOR × rate``, the rest at the rate that keeps the mean at ``rate``. Phases
+  start at a random offset. Lengths as ``poisson``. This is the traffic that makes stale
+  views and idle forwards show: a burst lands faster than snapshots refresh.
+* ``heavy-tail``: Poisson arrivals, Pareto-tailed (alpha 1.3) prompt and output lengths:
+  most requests are short, a few are long enough to dominate a rank.
+
+Every request is clipped so that ``prompt + output <= max_model_len``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+WORKLOADS = ("poisson", "bursty", "heavy-tail")
+
+PROMPT_MEDIAN, PROMPT_SIGMA = 384.0, 0.8
+OUTPUT_MEDIAN, OUTPUT_SIGMA = 128.0, 0.7
+BURST_PERIOD_S = 4.0
+BURST_ON_FRACTION = 0.25
+BURST_FACTOR = 3.0
+PARETO_ALPHA = 1.3
+
+
+@dataclass(slots=True)
+class Trace:
+    t: np.ndarray              # arrival (seconds, float64, sorted)
+    prompt: np.ndarray         # prompt tokens (int64, >= 1)
+    output: np.ndarray         # output tokens (int64, >= 1)
+    api: np.ndarray            # api-server index (int64)
+    name: str = "trace"
+
+    def __len__(self) -> int:
+        return int(self.t.size)
+
+    @property
+    def output_tokens(self) -> int:
+        return int(self.output.sum())
+
+    def describe(self) -> dict:
+        n = len(self)
+        return {
+            "name": self.name, "requests": n,
+            "duration_s": float(self.t[-1] - self.t[0]) if n else 0.0,
+            "prompt_tokens_mean": float(self.prompt.mean()) if n else 0.0,
+            "output_tokens_mean": float(self.output.mean()) if n else 0.0,
+        }
+
+
+def _lengths(rng: np.random.Generator, n: int, median: float, sigma: float) -> np.ndarray:
+    return np.maximum(1, np.rint(rng.lognormal(np.log(median), sigma, n))).astype(np.int64)
+
+
+def _pareto(rng: np.random.Generator, n: int, scale: float) -> np.ndarray:
+    return np.maximum(1, np.rint(scale * (1.0 + rng.pareto(PARETO_ALPHA, n)))).astype(np.int64)
+
+
+def _clip(prompt: np.ndarray, output: np.ndarray, max_model_len: int) -> tuple[np.ndarray, np.ndarray]:
+    prompt = np.clip(prompt, 1, max(1, max_model_len - 1))
+    output = np.clip(output, 1, np.maximum(1, max_model_len - prompt))
+    return prompt, output
+
+
+def _bursty_times(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
+    on_rate = BURST_FACTOR * rate
+    off_rate = rate * (1.0 - BURST_FACTOR * BURST_ON_FRACTION) / (1.0 - BURST_ON_FRACTION)
+    off_rate = max(off_rate, rate * 0.05)
+    on_len, period = BURST_PERIOD_S * BURST_ON_FRACTION, BURST_PERIOD_S
+    out = np.empty(n)
+    t = float(rng.uniform(0, period))  # phase
+    i = 0
+    while i < n:
+        phase = t % period
+        on = phase < on_len
+        r = on_rate if on else off_rate
+        end = t - phase + (on_len if on else period)
+        gap = rng.exponential(1.0 / r)
+        if t + gap >= end:      # memoryless: restart the clock at the phase change
+            t = end
+            continue
+        t += gap
+        out[i] = t
+        i += 1
+    return out - out[0]
+
+
+def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
+             max_model_len: int = 4096) -> Trace:
+    """A trace of ``n`` requests at a mean ``rate`` (requests/s)."""
+    if kind not in WORKLOADS:
+        raise ValueError(f"unknown workload {kind!r}; choose one of: {', '.join(WORKLOADS)}")
+    if n < 1:
+        raise ValueError("requests must be >= 1")
+    if rate <= 0:
+        raise ValueError("rate must be > 0")
+    rng = np.random.default_rng(seed)
+    if kind == "bursty":
+        t = _bursty_times(rng, n, rate)
+    else:
+        t = np.cumsum(rng.exponential(1.0 / rate, n))
+        t -= t[0]
+    if kind == "heavy-tail":
+        prompt = _pareto(rng, n, PROMPT_MEDIAN / 2 ** (1 / PARETO_ALPHA))
+        output = _pareto(rng, n, OUTPUT_MEDIAN / 2 ** (1 / PARETO_ALPHA))
+    else:
+        prompt = _lengths(rng, n, PROMPT_MEDIAN, PROMPT_SIGMA)
+        output = _lengths(rng, n, OUTPUT_MEDIAN, OUTPUT_SIGMA)
+    prompt, output = _clip(prompt, output, max_model_len)
+    api = rng.integers(0, max(1, api_servers), n).astype(np.int64)
+    return Trace(t=t, prompt=prompt, output=output, api=api, name=kind)
+
+
+def load_jsonl(path: str | Path, api_servers: int = 1, seed: int = 0,
+               max_model_len: int = 4096) -> Trace:
+    """Read ``{"t", "prompt_tokens", "output_tokens"[, "api_server"]}`` per line. Requests
+    without ``api_server`` are spread over the api-servers at random (seeded)."""
+    ts, ps, os_, apis = [], [], [], []
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            d = json.loads(line)
+            ts.append(float(d["t"]))
+            ps.append(int(d["prompt_tokens"]))
+            os_.append(int(d["output_tokens"]))
+            apis.append(int(d["api_server"]) if "api_server" in d else -1)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{lineno}: bad trace line ({exc})") from None
+        if ps[-1] < 1 or os_[-1] < 1 or ts[-1] < 0:
+            raise ValueError(f"{path}:{lineno}: t must be >= 0 and token counts >= 1")
+    if not ts:
+        raise ValueError(f"{path}: empty trace")
+    t = np.asarray(ts)
+    order = np.argsort(t, kind="stable")
+    rng = np.random.default_rng(seed)
+    api = np.asarray(apis, dtype=np.int64)
+    missing = api < 0
+    api[missing] = rng.integers(0, max(1, api_servers), int(missing.sum()))
+    if (api >= api_servers).any():
+        raise ValueError(f"{path}: api_server index >= --api-servers ({api_servers})")
+    prompt, output = _clip(np.asarray(ps, dtype=np.int64), np.asarray(os_, dtype=np.int64), max_model_len)
+    return Trace(t=t[order], prompt=prompt[order], output=output[order], api=api[order],
+                 name=Path(path).name)
+
+
+def dump_jsonl(trace: Trace, path: str | Path) -> None:
+    with open(path, "w") as f:
+        for i in range(len(trace)):
+            f.write(json.dumps({"t": float(trace.t[i]), "prompt_tokens": int(trace.prompt[i]),
+                                "output_tokens": int(trace.output[i]),
+                                "api_server": int(trace.api[i])}) + "\n")
