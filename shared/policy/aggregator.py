@@ -66,6 +66,7 @@ class StepAggregator:
         self._last_key: dict[int, Key] = {}      # rank -> key of its newest accepted report
         self._base: dict[int, RankStats] = {}    # rank -> its newest report at or before the final step
         self._pending: dict[Key, _Pending] = {}
+        self._oldest_first = float("inf")       # earliest `first` among pending steps
         self._final_key: Key | None = None
         self._ready: Snapshot | None = None      # final, held back by min_interval_s
         self._last_pub: Snapshot | None = None
@@ -152,14 +153,23 @@ class StepAggregator:
             self.late += 1
             return self._advance(now)
         # The rank now counts for every pending step in (prev, key]: reported or moved past.
+        required = len(self._live) - len(self._joining)
+        complete = False
         for p in self._pending.values():
             if p.key <= key and (prev is None or p.key > prev):
                 p.have += 1
+                complete = complete or p.have >= required
         p = self._pending.get(key)
         if p is None:
             have = sum(1 for k in self._last_key.values() if k >= key)  # includes this rank
             p = self._pending[key] = _Pending(key, now, {}, have)
+            complete = complete or have >= required
+            if now < self._oldest_first:
+                self._oldest_first = now
         p.reports[r] = stats
+        # fast path: nothing complete, nothing past its grace, nothing held back
+        if not complete and self._ready is None and now < self._oldest_first + self.grace_s:
+            return None
         return self._advance(now)
 
     def tick(self, now: float) -> Snapshot | None:
@@ -217,6 +227,7 @@ class StepAggregator:
                 if r in live:
                     base[r] = st
         self.superseded += len(older) - 1
+        self._oldest_first = min((p.first for p in self._pending.values()), default=float("inf"))
         ranks: dict[int, RankStats] = {}
         carried: list[int] = []
         wave, step = key

@@ -7,7 +7,9 @@ decision and per finalized step.
 Decisions: each policy at 8, 64 and 256 ranks places requests of varied sizes; every
 ``--every`` decisions a snapshot arrives whose ranks echo the seqs they had received one
 snapshot earlier (so the local view always holds about one interval of unseen dispatches,
-as in service). Timed: ``choose`` plus ``on_snapshot``; building the fake snapshot is not.
+as in service). Timed: ``choose`` plus ``on_snapshot``, per snapshot interval (the median
+interval is taken, so a preempted interval on a busy machine does not skew the figure);
+building the fake snapshot is not timed.
 Steps: a 64-rank aggregator is fed every rank's report of each step in a random order;
 timed per step (all 64 reports, the last one finalizing and publishing). Figures are
 medians over ``--repeats`` runs.
@@ -16,6 +18,7 @@ medians over ``--repeats`` runs.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -45,15 +48,16 @@ def bench_decisions(name: str, n_ranks: int, decisions: int, every: int, seed: i
     sent = [0] * n_ranks        # last seq sent per rank
     acked = [0] * n_ranks       # what the next snapshot echoes: sent as of the previous one
     perf = time.perf_counter
-    busy = snap_time = 0.0
-    snaps = step = 0
+    chunk_us: list[float] = []  # per interval: (decisions + the snapshot after them) / decisions
+    snap_us: list[float] = []
+    step = 0
     for lo in range(0, decisions, every):
         chunk = reqs[lo:lo + every]
         t0 = perf()
         for r in chunk:
             a = policy.choose(r, r.arrival)
             sent[a.rank] = a.seq
-        busy += perf() - t0
+        busy = perf() - t0
         step += 1
         snap = Snapshot(wave=0, step=step, t=chunk[-1].arrival, seq=step, ranks={
             k: RankStats(rank=k, wave=0, step=step, waiting=rnd.randint(0, 20), running=rnd.randint(0, 64),
@@ -64,11 +68,11 @@ def bench_decisions(name: str, n_ranks: int, decisions: int, every: int, seed: i
         t0 = perf()
         policy.on_snapshot(snap)
         dt = perf() - t0
-        busy += dt
-        snap_time += dt
-        snaps += 1
-    return {"us_per_decision": busy / decisions * 1e6, "decisions_per_s": decisions / busy,
-            "us_per_snapshot": snap_time / snaps * 1e6}
+        chunk_us.append((busy + dt) / len(chunk) * 1e6)
+        snap_us.append(dt * 1e6)
+    # medians over intervals: robust to preemption on a shared machine
+    us = statistics.median(chunk_us)
+    return {"us_per_decision": us, "decisions_per_s": 1e6 / us, "us_per_snapshot": statistics.median(snap_us)}
 
 
 def bench_steps(n_ranks: int, steps: int, seed: int = 0) -> dict[str, float]:
@@ -102,7 +106,9 @@ def bench_steps(n_ranks: int, steps: int, seed: int = 0) -> dict[str, float]:
 
 
 def run(repeats: int = 5, decisions: int = 20_000, every: int = 64, steps: int = 2_000) -> dict[str, Any]:
-    out: dict[str, Any] = {"python": sys.version.split()[0], "repeats": repeats, "decisions": decisions,
+    out: dict[str, Any] = {"python": sys.version.split()[0], "cpus": os.cpu_count(),
+                           "loadavg_1m": os.getloadavg()[0],  # a busy machine inflates every figure
+                           "repeats": repeats, "decisions": decisions,
                            "snapshot_every": every, "policies": {}, "aggregator": {}}
     for name in POLICY_NAMES:
         for n in RANK_COUNTS:
@@ -129,7 +135,8 @@ def _print_table(res: dict[str, Any]) -> None:
             t.add_row(name, n, f"{r['decisions_per_s']:,.0f}", f"{r['us_per_decision']:.2f}",
                       f"{r['us_per_snapshot']:.1f}")
     console.print(t)
-    a = Table(title=f"step finalization (median of {res['repeats']})")
+    a = Table(title=f"step finalization (median of {res['repeats']}; load average "
+                    f"{res['loadavg_1m']:.1f} on {res['cpus']} CPUs)")
     for col in ("ranks", "µs/step (all reports)", "µs/report", "µs finalizing report"):
         a.add_column(col, justify="right")
     for n, r in res["aggregator"].items():

@@ -185,6 +185,10 @@ class _LocalViewPolicy:
     def scores(self) -> dict[int, float]:
         return dict(zip(self._ranks, self._scores))
 
+    def counters(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in (
+            "decisions", "explicit", "snapshots", "snapshots_ignored", "reconciled", "expired")}
+
     # ---------------------------------------------------------------- policy hooks
 
     def _amount(self, req: RequestInfo) -> float:
