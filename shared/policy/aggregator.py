@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from shared.stats import RankStats, Snapshot
 
 Key = tuple[int, int]  # (wave, step)
+_BEFORE_ALL: Key = (-(1 << 62), 0)  # older than any real (wave, step)
 
 
 @dataclass(slots=True)
@@ -63,6 +64,7 @@ class StepAggregator:
         self._live: set[int] = set(ranks)
         self._live_sorted: list[int] = sorted(self._live)
         self._joining: set[int] = set()          # live, not heard from since joining: not waited for
+        self._required = len(self._live)         # live ranks waited for: len(live - joining)
         self._last_key: dict[int, Key] = {}      # rank -> key of its newest accepted report
         self._base: dict[int, RankStats] = {}    # rank -> its newest report at or before the final step
         self._pending: dict[Key, _Pending] = {}
@@ -117,7 +119,7 @@ class StepAggregator:
         due: float | None = None
         if self._ready is not None:
             due = self._last_pub_t + self.min_interval_s
-        required = len(self._live) - len(self._joining)
+        required = self._required
         for p in self._pending.values():
             # complete (possible after set_live) -> due at once; else at grace expiry
             t = p.first if p.have >= required else p.first + self.grace_s
@@ -136,7 +138,12 @@ class StepAggregator:
             return self._advance(now)
         key = (stats.wave, stats.step)
         prev = self._last_key.get(r)
-        if prev is not None and key <= prev:
+        if prev is None:
+            prev = _BEFORE_ALL
+            if r in self._joining:  # first word from a joining rank: wait for it from now on
+                self._joining.discard(r)
+                self._required += 1
+        elif key <= prev:
             if key == prev:
                 self.duplicates += 1
             else:
@@ -144,7 +151,6 @@ class StepAggregator:
             return self._advance(now)
         self.accepted += 1
         self._last_key[r] = key
-        self._joining.discard(r)
         fk = self._final_key
         if fk is not None and key <= fk:
             # In order for this rank, but its step is already final (the rank was carried).
@@ -153,17 +159,19 @@ class StepAggregator:
             self.late += 1
             return self._advance(now)
         # The rank now counts for every pending step in (prev, key]: reported or moved past.
-        required = len(self._live) - len(self._joining)
+        required = self._required
         complete = False
         for p in self._pending.values():
-            if p.key <= key and (prev is None or p.key > prev):
+            if prev < p.key <= key:
                 p.have += 1
-                complete = complete or p.have >= required
+                if p.have >= required:
+                    complete = True
         p = self._pending.get(key)
         if p is None:
             have = sum(1 for k in self._last_key.values() if k >= key)  # includes this rank
             p = self._pending[key] = _Pending(key, now, {}, have)
-            complete = complete or have >= required
+            if have >= required:
+                complete = True
             if now < self._oldest_first:
                 self._oldest_first = now
         p.reports[r] = stats
@@ -193,6 +201,7 @@ class StepAggregator:
         self._live = new
         self._live_sorted = sorted(new)
         self._joining &= new
+        self._required = len(new) - len(self._joining)
         for p in self._pending.values():
             p.have = sum(1 for r, k in self._last_key.items() if k >= p.key and r not in self._joining)
 
@@ -200,7 +209,7 @@ class StepAggregator:
 
     def _advance(self, now: float) -> Snapshot | None:
         if self._pending:
-            required = len(self._live) - len(self._joining)
+            required = self._required
             best: _Pending | None = None
             for p in self._pending.values():
                 if (p.have >= required or now >= p.first + self.grace_s) and (best is None or p.key > best.key):
