@@ -36,7 +36,7 @@ class SimTokenStream:
     def __init__(self, seed: int | None, prompt: list[int]) -> None:
         digest = hashlib.blake2b(bytes(t & 0xFF for t in prompt), digest_size=8).digest()
         self.key = _mix(int.from_bytes(digest, "little"), seed or 0)
-        self.buf = bytearray()     # bytes generated so far, always whole characters
+        self.buf: list[int] = []   # tokens generated so far: whole characters, or EOS
         self.chars = 0
 
     def token_at(self, pos: int) -> int:
@@ -46,7 +46,7 @@ class SimTokenStream:
             if self.chars > 1 and h % _EOS_EVERY == 0:
                 self.buf.append(EOS)
                 continue
-            self.buf += _ALPHABET[(h >> 16) % len(_ALPHABET)]
+            self.buf.extend(_ALPHABET[(h >> 16) % len(_ALPHABET)])
         return self.buf[pos]
 
 

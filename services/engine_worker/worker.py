@@ -306,6 +306,9 @@ class EngineWorker:
             by_api[seq.api].append(Delta(seq.id, len(seq.generated), [], "abort",
                                          prompt_tokens=len(seq.prompt), rank=self.rank))
             acks.append(self._forget(seq.id))
+            pipe.hset(self.keys.req(seq.id), mapping={"state": "finished", "finish": "abort", "rank": self.rank,
+                                                       "tokens": len(seq.generated), "t_finished": now})
+            pipe.expire(self.keys.req(seq.id), K.REQ_HASH_TTL_S)
         for api, deltas in by_api.items():
             pipe.xadd(self.keys.out(api), {FIELD: encode_deltas(deltas)}, maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
         acks = [a for a in acks if a]
