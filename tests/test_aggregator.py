@@ -284,3 +284,17 @@ def test_bounded_pending_steps_under_a_silent_rank():
         assert agg.pending_steps() <= 4
     assert agg.stale_dropped == 0 and agg.carried_total == agg.finalized - 1
     assert agg.grace_expired == agg.finalized - 1
+
+
+def test_cold_start_set_live_waits_for_every_rank():
+    agg = StepAggregator([], grace_s=1.0)
+    agg.set_live([0, 1])                     # joining an empty cluster: waited for from the start
+    assert agg.report(rs(0, 0, 1), 0.0) is None
+    assert agg.report(rs(1, 0, 1), 0.0).ranks.keys() == {0, 1}
+
+
+def test_counters_are_plain_ints():
+    agg = StepAggregator(range(2))
+    feed_step(agg, range(2), 0, 1, 0.0)
+    c = agg.counters()
+    assert c["published"] == c["finalized"] == 1 and all(type(v) is int for v in c.values())

@@ -228,3 +228,19 @@ def test_seq_is_per_dispatcher_and_rank():
         per_rank.setdefault(a.rank, []).append(a.seq)
     assert all(seqs == list(range(1, len(seqs) + 1)) for seqs in per_rank.values())
     assert sorted(len(s) for s in per_rank.values()) == [2, 2, 3]
+
+
+def test_snapshots_from_the_aggregator_drive_the_policy():
+    """End to end in the pure core: engines report through StepAggregator, whose snapshot
+    (with recv echoes) reconciles the policy's local view."""
+    from shared.policy.aggregator import StepAggregator
+
+    agg = StepAggregator(range(2), grace_s=0.05)
+    p = LeastScore(ranks=[0, 1])
+    a = [p.choose(req(i), 0.0) for i in range(4)]         # 2 per rank, seqs 1 and 2
+    assert p.unseen(0) == p.unseen(1) == 2
+    agg.report(RankStats(0, 0, 1, waiting=2, recv={"scheduler": 2}), 0.01)
+    snap = agg.report(RankStats(1, 0, 1, waiting=1, recv={"scheduler": 1}), 0.01)
+    p.on_snapshot(snap)
+    assert p.unseen(0) == 0 and p.unseen(1) == 1
+    assert p.scores() == {0: 8.0, 1: 8.0} and {x.rank for x in a} == {0, 1}
