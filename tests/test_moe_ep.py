@@ -110,18 +110,21 @@ def _scenario(world: int) -> list[dict[int, list[ChunkInput]]]:
     def chunk(seq, toks, start, sample=True):
         return ChunkInput(seq, toks, start, tables[seq], sample, temperature=0.0)
 
-    def decode(seq, step):   # token fed at position len(prompt) + step
+    decoded: dict[str, int] = {}
+
+    def decode(seq):   # the next decode token of seq, right after its last computed one
+        n = decoded[seq] = decoded.get(seq, -1) + 1
         p = prompts[seq]
-        return chunk(seq, [(37 * step + len(p)) % 256], len(p) + step)
+        return chunk(seq, [(37 * n + len(p)) % 256], len(p) + n)
 
     steps: list[dict[int, list[ChunkInput]]] = []
     steps.append({r: [chunk(f"r{r}a", prompts[f"r{r}a"], 0), chunk(f"r{r}b", prompts[f"r{r}b"][:9], 0, False)]
                   for r in range(world)})
-    steps.append({r: [decode(f"r{r}a", 0), chunk(f"r{r}b", prompts[f"r{r}b"][9:], 9)] for r in range(world)})
-    steps.append({r: ([decode(f"r{r}a", 1), decode(f"r{r}b", 0)] if r == 0 else []) for r in range(world)})
-    busy = {1} if world == 2 else {1, 2}
-    steps.append({r: ([decode(f"r{r}a", 2), decode(f"r{r}b", 1)] if r in busy else []) for r in range(world)})
-    steps.append({r: [decode(f"r{r}b", 2 if r in busy or r == 0 else 1)] for r in range(world)})
+    steps.append({r: [decode(f"r{r}a"), chunk(f"r{r}b", prompts[f"r{r}b"][9:], 9)] for r in range(world)})
+    steps.append({r: ([decode(f"r{r}a"), decode(f"r{r}b")] if r == 0 else []) for r in range(world)})
+    busy = {1} if world == 2 else {1, 2}       # rank 0 (and 3) idle this step
+    steps.append({r: ([decode(f"r{r}a"), decode(f"r{r}b")] if r in busy else []) for r in range(world)})
+    steps.append({r: [decode(f"r{r}b")] for r in range(world)})
     return steps
 
 
