@@ -350,12 +350,15 @@ class EngineWorker:
                     woke = woke_by_me = True
             if woke:
                 break
+        # One round trip: announce the new wave (when this rank saw the work first) and
+        # take this rank's inbox entries.
+        pipe = self.r.pipeline(transaction=False)
         if woke_by_me or self.stopping.is_set():
-            await self.r.xadd(self.keys.wave, {FIELD: dumps({"w": self.wave, "r": self.rank})},
-                              maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
-        resp = await self.r.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {inbox: ">"},
-                                       count=max(1, self.s.max_num_seqs * 2))
-        self._take_fetched(resp)
+            pipe.xadd(self.keys.wave, {FIELD: dumps({"w": self.wave, "r": self.rank})},
+                      maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
+        pipe.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {inbox: ">"}, count=max(1, self.s.max_num_seqs * 2))
+        results = await pipe.execute()
+        self._take_fetched(results[-1])
 
 
 def main(settings: EngineSettings) -> int:

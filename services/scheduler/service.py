@@ -113,8 +113,9 @@ class SchedulerService:
                 "live": dumps(self.live), "drained": dumps(sorted(self.drained))})
 
     def _agg_counters(self) -> dict[str, int]:
-        return {f"agg_{k}": int(getattr(self.agg, k, 0)) for k in
-                ("finalized", "published", "stale_dropped", "duplicates", "carried_total")}
+        out = {f"agg_{k}": v for k, v in self.agg.counters().items()}
+        out.update({f"policy_{k}": v for k, v in self.policy.counters().items()})
+        return out
 
     # ------------------------------------------------------------------ requests
     async def _request_loop(self) -> None:

@@ -1,0 +1,82 @@
+"""Benchmark of the request path itself, with zero device time.
+
+Starts (or uses) a cluster running the sim backend with --time-scale 0, then measures
+from the client side:
+- added TTFT: HTTP request sent -> first SSE chunk carrying text, one request at a time
+  (p50/p99 over N samples): what lockstep adds on top of the device;
+- sustained short requests/s (max_tokens 1, non-streaming) across the api-servers at a
+  fixed concurrency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from typing import Any
+
+import httpx
+import orjson
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = min(len(xs) - 1, max(0, int(round(p / 100 * (len(xs) - 1)))))
+    return xs[k]
+
+
+async def measure_ttft(url: str, samples: int, model: str = "lockstep-moe") -> list[float]:
+    out: list[float] = []
+    body = orjson.dumps({"model": model, "prompt": "ttft probe", "max_tokens": 2, "stream": True, "ignore_eos": True})
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=4)) as http:
+        for i in range(samples + 5):
+            t0 = time.perf_counter()
+            first = None
+            async with http.stream("POST", url + "/completions", content=body,
+                                   headers={"content-type": "application/json"}) as resp:
+                async for line in resp.aiter_lines():
+                    if first is None and line.startswith("data: {") and '"text":""' not in line:
+                        first = time.perf_counter() - t0
+            if i >= 5 and first is not None:   # the first few warm connections and code paths
+                out.append(first * 1000)
+    return out
+
+
+async def measure_rps(url: str, requests: int, concurrency: int, model: str = "lockstep-moe") -> dict[str, Any]:
+    body = orjson.dumps({"model": model, "prompt": "hi", "max_tokens": 1, "ignore_eos": True})
+    lat: list[float] = []
+    errors = 0
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency,
+                                                                 max_keepalive_connections=concurrency)) as http:
+        async def worker() -> None:
+            nonlocal errors
+            while True:
+                try:
+                    queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                t0 = time.perf_counter()
+                r = await http.post(url + "/completions", content=body, headers={"content-type": "application/json"})
+                if r.status_code != 200:
+                    errors += 1
+                lat.append((time.perf_counter() - t0) * 1000)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return {"requests": requests, "concurrency": concurrency, "errors": errors, "wall_s": round(wall, 3),
+            "req_per_s": round(requests / wall, 1), "latency_p50_ms": round(_pct(lat, 50), 2),
+            "latency_p99_ms": round(_pct(lat, 99), 2)}
+
+
+def run(url: str, samples: int, requests: int, concurrency: int) -> dict[str, Any]:
+    ttft = asyncio.run(measure_ttft(url, samples))
+    rps = asyncio.run(measure_rps(url, requests, concurrency))
+    return {"ttft_added_ms": {"p50": round(statistics.median(ttft), 3), "p99": round(_pct(ttft, 99), 3),
+                              "samples": len(ttft)},
+            "sustained": rps}
