@@ -69,14 +69,17 @@ prompt whenever some rank can; when none can it is still released (the engine qu
 never dropped — preferably where it overflows least (the rank that can start it soonest).
 
 Placement minimises, in order: (1) KV overflow (prompt blocks beyond a rank's free blocks,
-summed), (2) the largest rank load after the batch, (3) the sum of squared loads (spread the
-batch over the less loaded ranks instead of piling it on one while another rank is the max).
-It starts from LPT greedy — requests by cost descending (ties: arrival order), each onto
-the least-loaded rank that has KV room for it (ties rotate across batches) — which is within
-4/3 of optimal (with no KV limits), then improves it with a depth-first branch-and-bound over the same order,
-capped at ``search_nodes`` nodes (default 2000, a few ms). Small batches (a handful of
-requests on a few ranks) are therefore solved exactly; large ones keep the best found,
-never worse than LPT.
+summed), (2) the largest rank load after the batch, (3) the sum of squared loads (spread
+the batch over the less loaded ranks instead of piling it on one while another rank is the
+max). It starts from LPT greedy — requests by cost descending (ties: arrival order), each
+onto the rank where it adds the least overflow, then the least-loaded one (ties rotate
+across batches) — which without KV limits is within 4/3 of the optimal largest load. If
+LPT is provably optimal on (1) and (2) (no overflow, and its largest load equals a lower
+bound: the current maximum, the water level, or the least load plus the largest request)
+it is kept, which is the common case under load. Otherwise a depth-first branch-and-bound
+over the same order improves (1, 2, 3), capped at ``search_nodes`` steps (default 1000,
+about a millisecond). Small batches (a handful of requests on a few ranks) are therefore
+solved exactly; large ones keep the best found, never worse than LPT.
 
 Batch tags
 ----------
@@ -107,6 +110,7 @@ Bounds
 
 from __future__ import annotations
 
+import heapq
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -154,7 +158,7 @@ class StaggeredBatcher:
         adaptive: bool = True,
         max_held: int = 65536,
         max_pending: int = 65536,
-        search_nodes: int = 2000,
+        search_nodes: int = 1000,
     ) -> None:
         if hard_max_wait_ms < 0 or max_wait_ms < 0:
             raise ValueError("wait bounds must be >= 0")
@@ -428,69 +432,98 @@ class StaggeredBatcher:
         rot = self._rot % m
 
         # LPT greedy: least KV overflow added (0 on any rank with room), then least load;
-        # ties rotate across batches.
+        # ties rotate across batches. A lazy heap finds the least-loaded rank; only when it
+        # lacks KV room are the other ranks looked at.
         load, used = list(load0), [0] * m
-
-        def over_added(j: int, i: int) -> int:
-            if free0[j] is None:
-                return 0
-            room = free0[j] - used[j]
-            return max(0, need[i] - max(0, room))
-
+        inf = float("inf")
+        room = [inf if f is None else f for f in free0]       # free blocks left
+        rk = [(j - rot) % m for j in range(m)]
+        heap = [(load[j], rk[j], j) for j in range(m)]        # stale if load moved
+        heapq.heapify(heap)
         pick = [0] * n
         for i in order:
-            j = min(range(m), key=lambda j: (over_added(j, i), load[j], (j - rot) % m))
+            while heap[0][0] != load[heap[0][2]]:
+                heapq.heappop(heap)
+            j, b = heap[0][2], need[i]
+            if room[j] < b:
+                top = max(room)
+                if top >= b:                 # least-loaded rank with room
+                    j = min((x for x in range(m) if room[x] >= b), key=lambda x: (load[x], rk[x]))
+                elif top > 0:                # none has room: least overflow, then load
+                    j = min((x for x in range(m) if room[x] == top),
+                            key=lambda x: (load[x], rk[x]))
+                # else: every rank overflows by b; keep the least-loaded one
             pick[i] = j
             load[j] += cost[i]
-            used[j] += need[i]
+            used[j] += b
+            room[j] -= b
+            heapq.heappush(heap, (load[j], rk[j], j))
 
-        def objective(load: list[int], used: list[int]) -> tuple[int, int, int]:
-            over = sum(max(0, used[j] - free0[j]) for j in range(m) if free0[j] is not None)
-            return (over, max(load), sum(x * x for x in load))
-
-        best = objective(load, used)
+        over = sum(max(0, used[j] - free0[j]) for j in range(m) if free0[j] is not None)
+        best = (over, max(load), sum(x * x for x in load))
         best_pick = list(pick)
-        if m > 1 and n > 1 and self.search_nodes > 0:
+        if (m > 1 and n > 1 and self.search_nodes > 0
+                and best[:2] > (0, self._max_load_bound(load0, cost))):
             best, best_pick = self._search(order, cost, need, load0, free0, best, best_pick)
         return [ranks[best_pick[i]] for i in range(n)]
+
+    @staticmethod
+    def _max_load_bound(load0: list[int], cost: list[int]) -> int:
+        """A lower bound on the largest load after placing ``cost``: the current maximum,
+        the water level (pour all the work onto the least-loaded ranks), and the least
+        loaded rank plus the largest request."""
+        total = sum(cost)
+        xs = sorted(load0)
+        prefix = 0
+        for k in range(1, len(xs) + 1):       # fill the k least-loaded ranks to one level
+            prefix += xs[k - 1]
+            if k == len(xs) or k * xs[k] - prefix >= total:
+                level = -(-(total + prefix) // k)
+                break
+        return max(xs[-1], level, xs[0] + max(cost))
 
     def _search(self, order, cost, need, load0, free0, best, best_pick):
         """Bounded depth-first branch-and-bound over the LPT order. Every objective
         component only grows as requests are added, so a partial objective that is already
-        no better than the best complete one prunes the subtree."""
-        m = len(load0)
+        no better than the best complete one prunes the subtree. The objective is kept
+        incrementally (O(1) per tried placement); the budget counts tried placements plus
+        ``m`` per node for ordering its children, so one batch costs O(search_nodes)."""
+        m, n = len(load0), len(order)
         load, used = list(load0), [0] * m
         cur = [0] * len(cost)
-        budget = [self.search_nodes]
-        state = {"best": best, "pick": best_pick}
+        st = {"best": best, "pick": best_pick, "budget": self.search_nodes}
+        over0 = sum(max(0, -f) for f in free0 if f is not None)
+        sq0 = sum(x * x for x in load0)
 
-        def partial() -> tuple[int, int, int]:
-            over = sum(max(0, used[j] - free0[j]) for j in range(m) if free0[j] is not None)
-            return (over, max(load), sum(x * x for x in load))
-
-        def dfs(k: int) -> None:
-            if budget[0] <= 0:
+        def dfs(k: int, over: int, mx: int, sq: int) -> None:
+            if k == n:
+                if (over, mx, sq) < st["best"]:
+                    st["best"], st["pick"] = (over, mx, sq), list(cur)
                 return
-            budget[0] -= 1
-            if k == len(order):
-                obj = partial()
-                if obj < state["best"]:
-                    state["best"], state["pick"] = obj, list(cur)
-                return
+            st["budget"] -= m
             i = order[k]
+            c, b = cost[i], need[i]
             seen: set[tuple[int, int, int | None]] = set()
-            for j in sorted(range(m), key=lambda j: load[j]):
+            for j in sorted(range(m), key=load.__getitem__):
+                if st["budget"] <= 0:
+                    return
                 sig = (load[j], used[j], free0[j])
                 if sig in seen:        # interchangeable with a rank already tried
                     continue
                 seen.add(sig)
-                load[j] += cost[i]
-                used[j] += need[i]
+                st["budget"] -= 1
+                f = free0[j]
+                d_over = 0 if f is None else (
+                    max(0, used[j] + b - f) - max(0, used[j] - f))
+                new = (over + d_over, max(mx, load[j] + c), sq + 2 * load[j] * c + c * c)
+                if new >= st["best"]:
+                    continue
+                load[j] += c
+                used[j] += b
                 cur[i] = j
-                if partial() < state["best"]:
-                    dfs(k + 1)
-                load[j] -= cost[i]
-                used[j] -= need[i]
+                dfs(k + 1, *new)
+                load[j] -= c
+                used[j] -= b
 
-        dfs(0)
-        return state["best"], state["pick"]
+        dfs(0, over0, max(load0), sq0)
+        return st["best"], st["pick"]
