@@ -298,8 +298,8 @@ class PolicySpec:
 
 def _lockstep(name: str, **extra: Any) -> Factory:
     def make(*, dispatcher_id: str, client_index: int, num_api_servers: int, client_mode: bool,
-             ranks: list[int], block_size: int) -> Any:
-        kw = dict(extra)
+             ranks: list[int], block_size: int, **params: Any) -> Any:
+        kw = {**extra, **params}
         if name == "staggered":
             kw.setdefault("block_size", block_size)
         return make_policy(name, dispatcher_id=dispatcher_id, num_api_servers=num_api_servers,
@@ -309,8 +309,8 @@ def _lockstep(name: str, **extra: Any) -> Factory:
 
 def _cls(cls: type, **extra: Any) -> Factory:
     def make(*, dispatcher_id: str, client_index: int, num_api_servers: int, client_mode: bool,
-             ranks: list[int], block_size: int) -> Any:
-        kw = dict(extra)
+             ranks: list[int], block_size: int, **params: Any) -> Any:
+        kw = {**extra, **params}
         if cls is VllmDPLB:
             kw["client_index"] = client_index
         return cls(dispatcher_id=dispatcher_id, num_api_servers=num_api_servers,

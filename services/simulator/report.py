@@ -73,7 +73,6 @@ def summarize(r: RunResult, ideal_tok_s: float | None) -> dict[str, Any]:
         "makespan_s": float(r.finish_t[done].max() - r.arrival.min()) if done.any() else 0.0,
         "mean_step_ms": busy / r.step_dur.size * 1000.0 if r.step_dur.size else 0.0,
         "requests_per_rank_max_over_mean": float(per_rank.max() / per_rank.mean()) if per_rank.size and per_rank.mean() > 0 else None,
-        "sim_wall_s": r.wall_s,
         "counters": r.counters,
     }
     return _clean(out)
@@ -85,8 +84,7 @@ def document(config: dict[str, Any], results: list[RunResult], ideal: RunResult 
     if ideal is not None:
         doc["ideal"] = _clean({"throughput_tok_s": ideal_tok_s, "steps": int(ideal.step_dur.size),
                                "busy_s": float(ideal.step_dur.sum()),
-                               "ttft_p99_ms": measures.percentile((ideal.first_t - ideal.arrival), 99) * 1000.0,
-                               "sim_wall_s": ideal.wall_s})
+                               "ttft_p99_ms": measures.percentile((ideal.first_t - ideal.arrival), 99) * 1000.0})
     for r in results:
         doc["policies"][r.name] = summarize(r, ideal_tok_s)
     return doc

@@ -1,0 +1,82 @@
+"""``lockstep simulate``: run the discrete-event simulator (services/simulator) on one
+trace under several policies and print the measures (table, JSON, plot).
+
+Wire it with ``register(app)``; ``python -m services.simulator`` runs the same command.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+DEFAULT_RATE_PER_RANK = 3.0   # requests/s per rank when --rate is not given
+
+
+def parse_params(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``POLICY.KEY=VALUE`` -> {POLICY: {KEY: VALUE}}; values parsed as JSON when they can be."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        try:
+            lhs, value = item.split("=", 1)
+            policy, key = lhs.split(".", 1)
+        except ValueError:
+            raise typer.BadParameter(f"--param {item!r}: expected POLICY.KEY=VALUE") from None
+        try:
+            v: Any = json.loads(value)
+        except json.JSONDecodeError:
+            v = value
+        out.setdefault(policy.strip(), {})[key.strip()] = v
+    return out
+
+
+def simulate(
+    ranks: int = typer.Option(8, "--ranks", min=1, help="DP ranks in the engine group."),
+    api_servers: int = typer.Option(1, "--api-servers", min=1, help="api-server replicas."),
+    workload: str = typer.Option("bursty", "--workload", help="poisson | bursty | heavy-tail."),
+    requests: int = typer.Option(10000, "--requests", min=1, help="Requests to generate."),
+    rate: Optional[float] = typer.Option(None, "--rate", help=f"Mean requests/s (default {DEFAULT_RATE_PER_RANK:g} x ranks)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the trace and the modeled latencies."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="JSONL trace: {t, prompt_tokens, output_tokens[, api_server]} per line."),
+    policies: str = typer.Option("all", "--policies", help="Comma list of policies, or 'all'."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: per-rank load, balance, TTFT CDFs."),
+    cost_model: Optional[Path] = typer.Option(None, "--cost-model", help="JSON cost-model constants (CostModel.load)."),
+    param: list[str] = typer.Option([], "--param", help="Policy constructor argument, POLICY.KEY=VALUE (repeatable)."),
+) -> None:
+    """Simulate lockstep's policies and the peers' baselines on one trace."""
+    from services.simulator.runner import run
+
+    try:
+        doc, results = run(ranks=ranks, api_servers=api_servers, workload=workload, requests=requests,
+                           rate=rate if rate is not None else DEFAULT_RATE_PER_RANK * ranks, seed=seed,
+                           trace=trace, policies=policies, cost_model=cost_model,
+                           params=parse_params(param), progress=sys.stderr.isatty())
+    except (ValueError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if plot is not None:
+        from services.simulator.plot import plot_results
+        plot_results(results, doc, plot)
+    if as_json:
+        typer.echo(json.dumps(doc, sort_keys=False))
+        return
+    from rich.console import Console
+    from services.simulator.report import rich_table
+    c = doc["config"]
+    con = Console(width=None if sys.stdout.isatty() else 160)
+    con.print(rich_table(doc, title=(f"{c['ranks']} ranks x {c['api_servers']} api-servers, "
+                                           f"{c['trace']['name']} {c['trace']['requests']} requests")))
+    if "ideal" in doc:
+        con.print(f"ideal (perfectly balanced steps): {doc['ideal']['throughput_tok_s']:,.0f} tok/s")
+    con.print("simulated in " + ", ".join(f"{r.name} {r.wall_s:.1f}s" for r in results))
+    if plot is not None:
+        con.print(f"plot: {plot}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``simulate`` command to ``app``."""
+    app.command("simulate")(simulate)

@@ -1,0 +1,76 @@
+"""One simulation run end to end: build the trace, run the ideal and every policy on it,
+summarize. Used by ``lockstep simulate``, ``python -m services.simulator`` and
+``scripts/bench-table``."""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from shared.cost_model import CostModel
+from services.simulator import report, workload
+from services.simulator.baselines import PolicySpec
+from services.simulator.sim import RunResult, SimConfig, resolve_policies, run_ideal, run_policy
+
+
+def _with_params(spec: PolicySpec, params: dict[str, Any]) -> PolicySpec:
+    if not params:
+        return spec
+    base = spec.factory
+
+    def make(**kw: Any) -> Any:   # extra constructor arguments reach the policy unchanged
+        return base(**kw, **params)
+    return dataclasses.replace(spec, factory=make)
+
+
+def run(*, ranks: int, api_servers: int, workload: str = "bursty", requests: int = 10000,
+        rate: float = 24.0, seed: int = 0, trace: Path | str | None = None,
+        policies: str | list[str] = "all", cost_model: Path | str | None = None,
+        params: dict[str, dict[str, Any]] | None = None, progress: bool = False,
+        cfg: SimConfig | None = None) -> tuple[dict[str, Any], list[RunResult]]:
+    cost = CostModel.load(cost_model) if cost_model else CostModel()
+    cfg = cfg or SimConfig()
+    cfg = dataclasses.replace(cfg, ranks=ranks, api_servers=api_servers, cost=cost, seed=seed)
+    if trace is not None:
+        tr = workload_mod.load_jsonl(trace, api_servers=api_servers, seed=seed,
+                                     max_model_len=cfg.engine.max_model_len)
+    else:
+        tr = workload_mod.generate(workload, requests, rate, seed, api_servers,
+                                   max_model_len=cfg.engine.max_model_len)
+    params = params or {}
+    specs = resolve_policies(policies, cfg)
+    unknown = set(params) - {s.name for s in specs}
+    if unknown:
+        raise ValueError(f"--param for policies not run: {sorted(unknown)}")
+    specs = [_with_params(s, params.get(s.name, {})) for s in specs]
+
+    bar = None
+    ctx: Any = nullcontext()
+    if progress:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        ctx = bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                             TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    results: list[RunResult] = []
+    with ctx:
+        task = bar.add_task("ideal", total=len(tr) * (len(specs) + 1)) if bar else None
+        ideal = run_ideal(tr, cfg)
+        if bar:
+            bar.advance(task, len(tr))
+        for spec in specs:
+            if bar:
+                bar.update(task, description=spec.name)
+            cb = (lambda k: bar.advance(task, k)) if bar else None
+            results.append(run_policy(tr, spec, cfg, progress=cb))
+    config = {"ranks": ranks, "api_servers": api_servers, "workload": workload if trace is None else None,
+              "requests": len(tr), "rate": rate if trace is None else None, "seed": seed,
+              "trace": {**tr.describe(), "file": str(trace) if trace else None},
+              "policies": [s.name for s in specs], "params": params,
+              "sim": cfg.to_dict()}
+    doc = report.document(config, results, ideal)
+    return doc, results
+
+
+workload_mod = workload
