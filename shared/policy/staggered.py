@@ -44,7 +44,7 @@ With ``gap`` the median of the last ``GAP_SAMPLES`` inter-arrival gaps (from
     window = 0                      if window < MIN_HOLD_MS
 
 So at high load (fill ≤ two steps) the ranks prefill together; at low load (one request
-every 2 s, 50 ms steps: fill = 6 s for 4 ranks, window ≈ 0.4 ms → 0) a request goes out at
+every 2 s, 25 ms steps so base = 50 ms, 4 ranks: fill = 6 s, window ≈ 0.4 ms → 0) a request goes out at
 once, because waiting would only add latency and would most likely end in a timeout with
 the same lone request anyway. With no gap known yet (the first request) the base is used.
 
@@ -93,6 +93,15 @@ returned in arrival order (FCFS within each rank's inbox).
 
 Explicit requests (``data_parallel_rank`` given) go through :meth:`note_explicit`: not held,
 no batch, reason ``"explicit"``, but they get a seq and count as local load.
+
+Counters (attributes; :meth:`stats` returns them as a dict)
+----------------------------------------------------------
+``held``, ``window_ms`` (window given to the latest held arrival), ``step_ms`` (learned
+step, None before a measurement), ``arrival_gap_ms``, ``batches_released``,
+``batches_by_reason`` ({"full", "timeout", "wait_bound"} → batches), ``requests_released``,
+``explicit``, ``hold_ms_last`` / ``hold_ms_mean`` / ``hold_ms_max`` (per released request,
+since start), ``kv_overflow`` (requests placed where no rank had KV room),
+``stale_snapshots``, ``pending_evicted``.
 
 Bounds
 ------
