@@ -108,6 +108,7 @@ class EngineSettings(Settings):
     collective_timeout_s: float = field(default=30.0, metadata={"help": "A collective that takes longer means a rank died."})
     host: str = field(default="127.0.0.1", metadata={"help": "Address other ranks reach this one at (rendezvous)."})
     seed: int = field(default=0, metadata={"help": "Model weight seed (identical on every rank)."})
+    gate_timeout_ms: float = field(default=100.0, metadata={"help": "Staggered batches: rank 0 releases a batch whose shares did not all arrive within this."})
 
 
 ALL_SETTINGS: list[type[Settings]] = [ApiServerSettings, SchedulerSettings, EngineSettings]

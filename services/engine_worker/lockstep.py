@@ -20,15 +20,17 @@ import torch.distributed as dist
 F_HAS_WORK = 0       # rank has waiting or running sequences
 F_TOKENS = 1         # tokens it will compute this step
 F_MAX_CTX = 2        # largest context it attends over (cost model)
-F_GATE = 3           # staggered batches: newest batch id fully arrived here (0 = none)
-F_GATE_HELD = 4      # prefills held by the batch gate
-F_STOP = 5           # rank is shutting down: the group must stop together
-FIELDS = 6
+F_GATE = 3           # staggered batches: highest batch whose share fully arrived here
+F_GATE_HELD = 4      # oldest batch whose prefill this rank still holds (0 = none)
+F_RELEASE = 5        # rank 0 only: release held batches up to this one (shared timeout)
+F_STOP = 6           # rank is shutting down: the group must stop together
+FIELDS = 7
 
 
 class Action(Enum):
     RUN = "run"          # compute my tokens
     IDLE = "idle"        # I have nothing, others do: join the collectives with zero tokens
+    HOLD = "hold"        # work exists but all of it is held by the batch gate: no forward
     PAUSE = "pause"      # nobody has work: everyone sleeps until work arrives anywhere
     STOP = "stop"        # a rank is leaving: everyone stops
 
@@ -51,11 +53,16 @@ class StepView:
     def max_ctx(self) -> int:
         return max(r[F_MAX_CTX] for r in self.rows)
 
+    def column(self, field: int) -> list[int]:
+        return [r[field] for r in self.rows]
+
     def action(self, rank: int) -> Action:
         if any(r[F_STOP] for r in self.rows):
             return Action.STOP
         if not self.any_work:
             return Action.PAUSE
+        if self.max_tokens == 0:
+            return Action.HOLD
         return Action.RUN if self.rows[rank][F_TOKENS] > 0 else Action.IDLE
 
 

@@ -29,9 +29,13 @@ from shared.redis_server import free_port
 from shared.settings import EngineSettings
 from shared.stats import RankStats
 from services.engine_worker.block_manager import BlockManager
-from services.engine_worker.lockstep import F_GATE, F_GATE_HELD, Action, LockstepGroup, StepView
+from services.engine_worker.batch_gate import BatchGate, batch_number
+from services.engine_worker.lockstep import F_GATE, F_GATE_HELD, F_RELEASE, Action, LockstepGroup, StepView
 from services.engine_worker.scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
+
+
+HOLD_POLL_MS = 2   # while every rank only has gated prefills: meet again this often (bounded by the gate timeout)
 
 
 class ClaimFailed(RuntimeError):
@@ -59,6 +63,7 @@ class EngineWorker:
             BlockManager(settings.num_kv_blocks, settings.block_size),
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len)
+        self.gate = BatchGate(rank=max(0, settings.rank), timeout_s=settings.gate_timeout_ms / 1000)
         self.prompts: dict[str, list[int]] = {}
         self.ignore_eos: dict[str, bool] = {}
         self._acks: list[bytes] = []              # inbox entries to ack in the next round trip
@@ -82,6 +87,7 @@ class EngineWorker:
             self.log.error("rank_claim_failed", error=str(exc))
             return 3
         self.log = self.log.bind(rank=self.rank)
+        self.gate.rank = self.rank
         heartbeat = asyncio.create_task(self._heartbeat())
         try:
             await self._prepare_streams()
@@ -183,14 +189,26 @@ class EngineWorker:
     async def _step_loop(self) -> None:
         while True:
             self._ingest()
-            plan = self.core.schedule()
-            row = [int(self.core.has_work()), plan.num_tokens, plan.max_context, 0, 0,
-                   int(self.stopping.is_set())]
+            plan = self.core.schedule(self.gate.may_prefill if self.gate.counts else None)
+            complete, oldest_held, release = self.gate.row()
+            row = [int(self.core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
+                   release, int(self.stopping.is_set())]
             view: StepView = await asyncio.to_thread(self.group.exchange, row)
+            released = 0
+            if self.gate.counts or any(view.column(F_GATE_HELD)):
+                released = self.gate.after_exchange(view.column(F_GATE), view.column(F_GATE_HELD), view.rows[0][F_RELEASE],
+                                         time.monotonic())
+                self.gate.forget_done({batch_number(q.batch) for q in self.core.waiting if q.held})
             action = view.action(self.rank)
             if action is Action.STOP:
                 self.log.info("engine_stopping", wave=self.wave, step=self.step)
                 return
+            if action is Action.HOLD:
+                # Every rank's work is held by the batch gate: no forward (not even an idle
+                # one); look for the missing shares and meet again.
+                if not released:
+                    await self._hold()
+                continue
             if action is Action.PAUSE:
                 await self._flush_outputs()
                 self.wave += 1
@@ -238,6 +256,8 @@ class EngineWorker:
                 rejected = self.core.add(seq, time.time())
                 if rejected is not None:      # can never run here, or nothing left to generate
                     self._early.append(rejected)
+                else:
+                    self.gate.on_arrival(seq)
             elif kind == "abort":
                 ab = Abort.from_dict(doc)
                 seq = self.core.abort(ab.id)
@@ -260,7 +280,9 @@ class EngineWorker:
             prefill=plan.prefill_tokens if ran else 0, decode=plan.decode_tokens if ran else 0,
             kv_used=self.core.kv_used, kv_total=self.core.kv_total,
             outstanding=self.core.outstanding_tokens(), idle=action is Action.IDLE,
-            dur_ms=round(dur_ms, 3), t=now, finished=finished, recv=dict(self.recv))
+            dur_ms=round(dur_ms, 3), t=now, finished=finished, held=plan.held, recv=dict(self.recv),
+            extra={"gate_full": self.gate.released_full, "gate_timeout": self.gate.released_timeout,
+                   "preemptions": self.core.num_preemptions})
         blob = dumps(stats.to_dict())
         step_key = self.keys.step(self.wave, self.step)
         pipe.hset(step_key, str(self.rank), blob)
@@ -328,6 +350,13 @@ class EngineWorker:
         if free is not None:
             free(seq_id)
         return self.entry_of.pop(seq_id, None)
+
+    async def _hold(self) -> None:
+        """Wait briefly for inbox entries (the rest of a batch) without a forward."""
+        await self._flush_outputs()
+        resp = await self.r.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {self.keys.inbox(self.rank): ">"},
+                                       count=max(1, self.s.max_num_seqs * 2), block=HOLD_POLL_MS)
+        self._take_fetched(resp)
 
     # ------------------------------------------------------------------ pause / wake
     async def _pause(self) -> None:

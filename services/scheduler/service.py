@@ -114,7 +114,8 @@ class SchedulerService:
 
     def _agg_counters(self) -> dict[str, int]:
         out = {f"agg_{k}": v for k, v in self.agg.counters().items()}
-        out.update({f"policy_{k}": v for k, v in self.policy.counters().items()})
+        policy_counters = getattr(self.policy, "counters", None) or getattr(self.policy, "stats")
+        out.update({f"policy_{k}": v for k, v in policy_counters().items()})
         return out
 
     # ------------------------------------------------------------------ requests
@@ -158,8 +159,9 @@ class SchedulerService:
                         acks.append(eid)
                     elif self.batching:
                         self.held[req.id] = (eid, req)
-                        for a in self.policy.submit(info, now):
-                            acks.append(self._release(pipe, a, now))
+                        released = self.policy.submit(info, now)
+                        acks.extend(self._release(pipe, a, now) for a in released)
+                        self._record_batches(pipe, released)
                         self.wake_batcher.set()
                     else:
                         self._emit(pipe, req, self.policy.choose(info, now), now)
@@ -304,6 +306,8 @@ class SchedulerService:
                 self.agg.set_live(live)
                 eligible = [r for r in live if r not in drained] or [r for r in self.ranks if r not in drained]
                 self.policy.set_ranks(eligible or self.ranks)
+                if self.batching:
+                    self.wake_batcher.set()   # fewer ranks can make a held batch full
             await asyncio.sleep(0.25)
 
 
