@@ -304,7 +304,7 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
     if hasattr(p0, "stats") and callable(p0.stats):
         try:
             counters["policy"] = {k: v for k, v in p0.stats().items()
-                                  if isinstance(v, (int, float, str)) or v is None}
+                                  if isinstance(v, (int, float, str, dict)) or v is None}
         except Exception:  # a policy's status view must not break a run
             pass
     return RunResult(spec.name, trace.t, trace.output, eng.first_t, eng.finish_t, eng.rank_of,
