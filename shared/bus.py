@@ -104,8 +104,10 @@ class Backoff:
 
 
 async def retrying(op: Callable[[], Awaitable[T]], *, log: Any = None, what: str = "redis",
-                   stop: asyncio.Event | None = None, give_up_s: float | None = None) -> T:
-    """Run ``op`` until it succeeds, backing off on transient connection errors."""
+                   stop: asyncio.Event | None = None, give_up_s: float | None = None,
+                   on_retry: Callable[[], Awaitable[None]] | None = None) -> T:
+    """Run ``op`` until it succeeds, backing off on transient connection errors (and on a
+    consumer group lost with a restarted server, after ``on_retry`` recreated it)."""
     backoff = Backoff()
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -115,14 +117,81 @@ async def retrying(op: Callable[[], Awaitable[T]], *, log: Any = None, what: str
             if backoff.attempt and log is not None:
                 log.info("redis_reconnected", what=what, attempts=backoff.attempt)
             return result
-        except TRANSIENT as exc:
+        except (ResponseError, *TRANSIENT) as exc:
+            if isinstance(exc, ResponseError) and "NOGROUP" not in str(exc):
+                raise
             if stop is not None and stop.is_set():
                 raise
             if give_up_s is not None and loop.time() - started > give_up_s:
                 raise
             delay = backoff.next_delay()
-            if log is not None and backoff.attempt in (1, 2, 4, 8) or backoff.attempt % 32 == 0:
-                if log is not None:
-                    log.warning("redis_unavailable", what=what, error=str(exc), retry_in_s=round(delay, 3),
-                                attempt=backoff.attempt)
+            if log is not None and (backoff.attempt in (1, 2, 4, 8) or backoff.attempt % 32 == 0):
+                log.warning("redis_unavailable", what=what, error=str(exc), retry_in_s=round(delay, 3),
+                            attempt=backoff.attempt)
             await asyncio.sleep(delay)
+            if on_retry is not None:
+                try:
+                    await on_retry()
+                except (ResponseError, *TRANSIENT):
+                    pass
+
+
+class Recorder:
+    """Records pipeline commands so they can be replayed on a fresh pipeline after a
+    connection error (redis-py clears a pipeline's stack when execute() fails)."""
+
+    __slots__ = ("ops",)
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        def record(*args: Any, **kwargs: Any) -> None:
+            self.ops.append((name, args, kwargs))
+        return record
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+async def execute_recorded(r: aioredis.Redis, rec: Recorder, *, log: Any = None, what: str = "pipeline",
+                           on_retry: Callable[[], Awaitable[None]] | None = None,
+                           give_up_s: float | None = None) -> list[Any]:
+    """Run the recorded commands in one pipelined round trip; on a connection error back
+    off and replay them (the commands are written to be safe to repeat: readers dedupe by
+    request id and token position). ``on_retry`` runs before each replay (e.g. to recreate
+    consumer groups lost with a restarted server)."""
+    backoff = Backoff()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while True:
+        pipe = r.pipeline(transaction=False)
+        for name, args, kwargs in rec.ops:
+            getattr(pipe, name)(*args, **kwargs)
+        try:
+            result = await pipe.execute()
+            if backoff.attempt and log is not None:
+                log.info("redis_reconnected", what=what, attempts=backoff.attempt)
+            return result
+        except (ResponseError, *TRANSIENT) as exc:
+            if isinstance(exc, ResponseError) and "NOGROUP" not in str(exc):
+                raise
+            if give_up_s is not None and loop.time() - started > give_up_s:
+                raise
+            delay = backoff.next_delay()
+            if log is not None and (backoff.attempt in (1, 2, 4, 8) or backoff.attempt % 32 == 0):
+                log.warning("redis_unavailable", what=what, error=str(exc), retry_in_s=round(delay, 3),
+                            attempt=backoff.attempt)
+            await asyncio.sleep(delay)
+            if on_retry is not None:
+                try:
+                    await on_retry()
+                except (ResponseError, *TRANSIENT):
+                    pass
+
+
+async def server_run_id(r: aioredis.Redis) -> str:
+    """Changes when the Redis server restarts (a restarted server without persistence has
+    lost every stream: readers use this to fail in-flight work with a clear error)."""
+    info = await r.info("server")
+    return str(info.get("run_id", ""))

@@ -9,11 +9,12 @@ per request.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from typing import Any
 
 from shared import keys as K
-from shared.bus import decode_entries
+from shared.bus import decode_entries, server_run_id
 from shared.messages import FIELD, Abort, Delta, Request, dumps
 from shared.policy.base import RequestInfo
 from shared.stats import Snapshot
@@ -77,15 +78,17 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         self.num_ranks = 1
         self.redis_ok = True
+        self.run_id = ""
 
     async def start(self) -> None:
+        self.run_id = await server_run_id(self.r)
         info = await self.r.hgetall(self.keys.cluster)
         self.num_ranks = int(info.get(b"ranks", 1)) if info else 1
         if self.policy is not None:
             self.policy.set_ranks(list(range(self.num_ranks)))
         self._tasks.append(asyncio.create_task(self._read_outputs()))
         self._tasks.append(asyncio.create_task(self._heartbeat()))
-        if self.client_dispatch:
+        if self.client_dispatch or self.metrics is not None:
             self._tasks.append(asyncio.create_task(self._follow_snapshots()))
 
     async def stop(self) -> None:
@@ -159,15 +162,17 @@ class Gateway:
         last: bytes | str = tail[0][0] if tail else "0-0"
         while True:
             try:
+                if not self.redis_ok:
+                    await self._after_outage()
                 resp = await self.r.xread({stream: last}, block=1000, count=1024)
                 self.redis_ok = True
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - reconnect with backoff
+                if self.redis_ok and self.log is not None:
+                    self.log.warning("redis_unavailable", what="outputs", error=str(exc))
                 self.redis_ok = False
-                if self.log is not None:
-                    self.log.warning("output_read_failed", error=str(exc))
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.2 + random.random() * 0.3)
                 continue
             now = time.monotonic()
             for _, eid, doc in decode_entries(resp):
@@ -178,6 +183,18 @@ class Gateway:
                     if ch is not None:
                         ch.feed(d, now)
 
+    async def _after_outage(self) -> None:
+        """Back from a Redis outage. A restarted server without persistence has lost the
+        request and output streams: fail the requests in flight with a clear, retryable
+        error instead of letting them wait for tokens that will never come."""
+        run_id = await server_run_id(self.r)
+        if self.log is not None:
+            self.log.info("redis_reconnected", what="outputs", restarted=run_id != self.run_id)
+        if run_id != self.run_id:
+            self.run_id = run_id
+            for ch in list(self.channels.values()):
+                ch.fail("the cluster's Redis server restarted and lost this request; retry it")
+
     async def _heartbeat(self) -> None:
         while True:
             try:
@@ -187,18 +204,27 @@ class Gateway:
             await asyncio.sleep(1.0)
 
     async def _follow_snapshots(self) -> None:
-        """Client dispatch: feed each published snapshot to this replica's policy."""
+        """Feed each published snapshot to this replica's policy (client dispatch) and to
+        its /metrics gauges (the load view this replica sees)."""
         blob = await self.r.hget(self.keys.snapshot, "json")
         if blob:
-            self.policy.on_snapshot(Snapshot.from_dict(_loads(blob)))
+            self._on_snapshot(blob)
         pubsub = self.r.pubsub()
         await pubsub.subscribe(self.keys.snapshot_channel)
         try:
             async for msg in pubsub.listen():
                 if msg.get("type") == "message":
-                    self.policy.on_snapshot(Snapshot.from_dict(_loads(msg["data"])))
+                    self._on_snapshot(msg["data"])
         finally:
             await pubsub.aclose()
+
+
+    def _on_snapshot(self, blob: bytes) -> None:
+        snap = Snapshot.from_dict(_loads(blob))
+        if self.client_dispatch and self.policy is not None:
+            self.policy.on_snapshot(snap)
+        if self.metrics is not None:
+            self.metrics.observe_snapshot(snap)
 
 
 def _loads(b: bytes) -> Any:

@@ -21,7 +21,8 @@ from collections import defaultdict
 from typing import Any
 
 from shared import keys as K
-from shared.bus import RedisUnreachable, check_reachable, connect, decode_entries, ensure_group
+from shared.bus import (RedisUnreachable, Recorder, check_reachable, connect, decode_entries, ensure_group,
+                        execute_recorded, retrying)
 from shared.cost_model import CostModel
 from shared.logging import configure
 from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
@@ -33,6 +34,11 @@ from services.engine_worker.batch_gate import BatchGate, batch_number
 from services.engine_worker.lockstep import F_GATE, F_GATE_HELD, F_RELEASE, Action, LockstepGroup, StepView
 from services.engine_worker.scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
+
+
+def _id_key(entry_id: bytes | str) -> tuple[int, int]:
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return int(ms), int(seq or 0)
 
 
 HOLD_POLL_MS = 2   # while every rank only has gated prefills: meet again this often (bounded by the gate timeout)
@@ -69,6 +75,9 @@ class EngineWorker:
         self._acks: list[bytes] = []              # inbox entries to ack in the next round trip
         self._aborted: list[Sequence] = []        # aborted seqs whose final delta is pending
         self._early: list[Any] = []               # outputs decided at admission (rejections)
+        self.round_trips = 0                      # Redis round trips of the step loop (goal: one per step)
+        self.exchange_s = 0.0                     # wall time in the step collective (incl. waiting for peers)
+        self._reread_pending = False              # after a Redis error: re-read our pending entries
 
     # ------------------------------------------------------------------ start-up
     async def run(self) -> int:
@@ -129,7 +138,12 @@ class EngineWorker:
         ttl = self.s.heartbeat_ms * 3
         while True:
             try:
-                await self.r.set(self.keys.rank_alive(self.rank), self.token, px=ttl)
+                pipe = self.r.pipeline(transaction=False)
+                pipe.set(self.keys.rank_alive(self.rank), self.token, px=ttl)
+                # Identity too, so a restarted (empty) Redis learns it again within a beat.
+                pipe.hset(self.keys.rank_info(self.rank), mapping={
+                    "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend, "token": self.token})
+                await pipe.execute()
             except Exception as exc:  # noqa: BLE001 - keep beating through blips
                 self.log.warning("heartbeat_failed", error=str(exc))
             await asyncio.sleep(self.s.heartbeat_ms / 1000)
@@ -193,7 +207,9 @@ class EngineWorker:
             complete, oldest_held, release = self.gate.row()
             row = [int(self.core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
                    release, int(self.stopping.is_set())]
+            tx = time.perf_counter()
             view: StepView = await asyncio.to_thread(self.group.exchange, row)
+            self.exchange_s += time.perf_counter() - tx
             released = 0
             if self.gate.counts or any(view.column(F_GATE_HELD)):
                 released = self.gate.after_exchange(view.column(F_GATE), view.column(F_GATE_HELD), view.rows[0][F_RELEASE],
@@ -244,8 +260,9 @@ class EngineWorker:
             kind = doc.get("k")
             if kind == "req":
                 req = Request.from_dict(doc)
-                if req.id in self.entry_of:          # redelivery: already running here
-                    self._acks.append(eid)
+                if req.id in self.entry_of:          # already running here
+                    if self.entry_of[req.id] != eid:  # a second dispatch of it: drop that copy
+                        self._acks.append(eid)
                     continue
                 if req.dispatcher:
                     self.recv[req.dispatcher] = max(self.recv.get(req.dispatcher, 0), req.dispatch_seq)
@@ -271,7 +288,7 @@ class EngineWorker:
     async def _publish(self, plan: Any, outputs: list[Any], action: Action, dur_ms: float) -> None:
         """One pipelined round trip: deltas, request state, step stats, acks, next inbox read."""
         now = time.time()
-        pipe = self.r.pipeline(transaction=False)
+        pipe = Recorder()
         finished = self._write_outputs(pipe, outputs, now)
         ran = action is Action.RUN
         stats = RankStats(
@@ -282,7 +299,9 @@ class EngineWorker:
             outstanding=self.core.outstanding_tokens(), idle=action is Action.IDLE,
             dur_ms=round(dur_ms, 3), t=now, finished=finished, held=plan.held, recv=dict(self.recv),
             extra={"gate_full": self.gate.released_full, "gate_timeout": self.gate.released_timeout,
-                   "preemptions": self.core.num_preemptions})
+                   "preemptions": self.core.num_preemptions, "round_trips": self.round_trips,
+                   "exchange_s": round(self.exchange_s, 6),
+                   "comm_s": round(getattr(self.backend, "comm_seconds", 0.0), 6)})
         blob = dumps(stats.to_dict())
         step_key = self.keys.step(self.wave, self.step)
         pipe.hset(step_key, str(self.rank), blob)
@@ -292,17 +311,18 @@ class EngineWorker:
                                                            "wave": self.wave, "step": self.step})
         room = max(0, self.s.max_num_seqs * 2 - self.core.num_waiting)
         if room:
-            pipe.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {self.keys.inbox(self.rank): ">"}, count=room)
-        results = await pipe.execute()
+            pipe.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {self.keys.inbox(self.rank): self._read_from()},
+                            count=room)
+        results = await self._execute(pipe)
         if room:
             self._take_fetched(results[-1])
 
     async def _flush_outputs(self) -> None:
         """Before a pause: send what is pending (rejections, aborts, acks) without a step."""
         if self._early or self._aborted or self._acks:
-            pipe = self.r.pipeline(transaction=False)
+            pipe = Recorder()
             self._write_outputs(pipe, [], time.time())
-            await pipe.execute()
+            await self._execute(pipe)
 
     def _write_outputs(self, pipe: Any, outputs: list[Any], now: float) -> int:
         """Queue deltas (one stream entry per api-server), request records and acks."""
@@ -338,10 +358,30 @@ class EngineWorker:
             pipe.xack(self.keys.inbox(self.rank), K.ENGINE_GROUP, *acks)
         return finished
 
+    async def _execute(self, pipe: Recorder) -> list[Any]:
+        """One round trip; through a Redis outage it backs off and replays (the work on
+        this rank stays in memory; readers dedupe, so a replayed write is harmless)."""
+        self.round_trips += 1
+        return await execute_recorded(self.r, pipe, log=self.log, what="step", on_retry=self._on_redis_retry)
+
+    async def _on_redis_retry(self) -> None:
+        # A reply may have been lost after the server delivered inbox entries to us: read
+        # this consumer's pending entries once more (ingest ignores what it already has).
+        # A restarted server may have lost the consumer group: recreate it.
+        self._reread_pending = True
+        await ensure_group(self.r, self.keys.inbox(self.rank), K.ENGINE_GROUP, "0")
+
+    def _read_from(self) -> str:
+        if self._reread_pending:
+            self._reread_pending = False
+            return "0"
+        return ">"
+
     def _take_fetched(self, resp: Any) -> None:
         for _, eid, doc in decode_entries(resp):
             self.fetched.append((eid, doc))
-            self.inbox_last = eid
+            if _id_key(eid) > _id_key(self.inbox_last):
+                self.inbox_last = eid
 
     def _forget(self, seq_id: str) -> bytes | None:
         self.prompts.pop(seq_id, None)
@@ -354,9 +394,10 @@ class EngineWorker:
     async def _hold(self) -> None:
         """Wait briefly for inbox entries (the rest of a batch) without a forward."""
         await self._flush_outputs()
-        resp = await self.r.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {self.keys.inbox(self.rank): ">"},
-                                       count=max(1, self.s.max_num_seqs * 2), block=HOLD_POLL_MS)
-        self._take_fetched(resp)
+        pipe = Recorder()
+        pipe.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {self.keys.inbox(self.rank): self._read_from()},
+                        count=max(1, self.s.max_num_seqs * 2), block=HOLD_POLL_MS)
+        self._take_fetched((await self._execute(pipe))[-1])
 
     # ------------------------------------------------------------------ pause / wake
     async def _pause(self) -> None:
@@ -367,8 +408,10 @@ class EngineWorker:
         inbox = self.keys.inbox(self.rank)
         woke_by_me = False
         while not self.stopping.is_set():
-            resp = await self.r.xread({inbox: self.inbox_last, self.keys.wave: self.wave_last},
-                                      block=self.s.heartbeat_ms, count=16)
+            self.round_trips += 1
+            resp = await retrying(lambda: self.r.xread({inbox: self.inbox_last, self.keys.wave: self.wave_last},
+                                                       block=self.s.heartbeat_ms, count=16),
+                                  log=self.log, what="pause", on_retry=self._on_redis_retry)
             woke = False
             for stream, eid, doc in decode_entries(resp):
                 if stream.decode() == self.keys.wave:
@@ -381,13 +424,13 @@ class EngineWorker:
                 break
         # One round trip: announce the new wave (when this rank saw the work first) and
         # take this rank's inbox entries.
-        pipe = self.r.pipeline(transaction=False)
+        pipe = Recorder()
         if woke_by_me or self.stopping.is_set():
             pipe.xadd(self.keys.wave, {FIELD: dumps({"w": self.wave, "r": self.rank})},
                       maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
-        pipe.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {inbox: ">"}, count=max(1, self.s.max_num_seqs * 2))
-        results = await pipe.execute()
-        self._take_fetched(results[-1])
+        pipe.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {inbox: self._read_from()},
+                        count=max(1, self.s.max_num_seqs * 2))
+        self._take_fetched((await self._execute(pipe))[-1])
 
 
 def main(settings: EngineSettings) -> int:

@@ -19,7 +19,9 @@ from collections import OrderedDict
 from typing import Any
 
 from shared import keys as K
-from shared.bus import RedisUnreachable, check_reachable, connect, decode_entries, ensure_group
+from redis.exceptions import ResponseError
+
+from shared.bus import TRANSIENT, Backoff, RedisUnreachable, check_reachable, connect, decode_entries, ensure_group
 from shared.logging import configure
 from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
 from shared.policy.aggregator import StepAggregator
@@ -52,6 +54,7 @@ class SchedulerService:
         self.live: list[int] = list(self.ranks)
         self.drained: set[int] = set()
         self.last_snapshot: Snapshot | None = None
+        self._redis_trouble = False
 
     async def run(self) -> int:
         try:
@@ -86,12 +89,29 @@ class SchedulerService:
             await self.r.aclose()
         return 0
 
+    async def _resilient(self, what: str, iteration: Any) -> None:
+        """Run one loop's iterations forever; ride out Redis outages with backoff."""
+        backoff = Backoff()
+        while True:
+            try:
+                await iteration()
+                if backoff.attempt:
+                    self.log.info("redis_reconnected", what=what, attempts=backoff.attempt)
+                    backoff.reset()
+            except (ResponseError, *TRANSIENT) as exc:
+                if isinstance(exc, ResponseError) and "NOGROUP" not in str(exc):
+                    raise
+                delay = backoff.next_delay()
+                if backoff.attempt in (1, 2, 4, 8) or backoff.attempt % 32 == 0:
+                    self.log.warning("redis_unavailable", what=what, error=str(exc), retry_in_s=round(delay, 3))
+                await asyncio.sleep(delay)
+                self._redis_trouble = True
+
     # ------------------------------------------------------------------ leadership
     async def _become_leader(self) -> bool:
         while not self.stop.is_set():
             if await self.r.set(self.keys.leader, self.id, nx=True, px=self.s.lease_ms):
-                await self.r.hset(self.keys.scheduler, mapping={"leader": self.id, "pid": os.getpid(),
-                                                                "policy": self.s.policy, "since": time.time()})
+                await self._announce()
                 return True
             try:
                 await asyncio.wait_for(self.stop.wait(), self.s.lease_ms / 3000)
@@ -99,18 +119,35 @@ class SchedulerService:
                 pass
         return False
 
+    async def _announce(self) -> None:
+        """Record who leads and the cluster settings this scheduler knows (again after a
+        restarted server lost them)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(self.keys.scheduler, mapping={"leader": self.id, "pid": os.getpid(), "policy": self.s.policy,
+                                                "since": time.time()})
+        pipe.hset(self.keys.cluster, mapping={"ranks": self.s.ranks, "policy": self.s.policy,
+                                              "dispatch": self.s.dispatch, "api_servers": self.s.num_api_servers})
+        await pipe.execute()
+
     async def _lease_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.s.lease_ms / 3000)
-            ok = await self.r.set(self.keys.leader, self.id, xx=True, px=self.s.lease_ms,
-                                  get=True)
-            if ok is None or ok != self.id.encode():
-                self.log.error("leadership_lost", holder=ok)
-                self.stop.set()
-                return
-            await self.r.hset(self.keys.scheduler, mapping={
-                "counters": dumps({**self.counters, **self._agg_counters()}), "t": time.time(),
-                "live": dumps(self.live), "drained": dumps(sorted(self.drained))})
+        await self._resilient("lease", self._renew_lease)
+
+    async def _renew_lease(self) -> None:
+        await asyncio.sleep(self.s.lease_ms / 3000)
+        holder = await self.r.set(self.keys.leader, self.id, xx=True, px=self.s.lease_ms, get=True)
+        if holder is None:
+            # The key is gone (a restarted server, or a long outage): take it back if free.
+            if await self.r.set(self.keys.leader, self.id, nx=True, px=self.s.lease_ms):
+                holder = self.id.encode()
+                self.log.warning("lease_reacquired")
+                await self._announce()
+        if holder != self.id.encode():
+            self.log.error("leadership_lost", holder=holder)
+            self.stop.set()
+            return
+        await self.r.hset(self.keys.scheduler, mapping={
+            "counters": dumps({**self.counters, **self._agg_counters()}), "t": time.time(), "leader": self.id,
+            "policy": self.s.policy, "live": dumps(self.live), "drained": dumps(sorted(self.drained))})
 
     def _agg_counters(self) -> dict[str, int]:
         out = {f"agg_{k}": v for k, v in self.agg.counters().items()}
@@ -120,40 +157,61 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ requests
     async def _request_loop(self) -> None:
-        stream = self.keys.requests
         # First what this consumer (or a dead predecessor) read but never acked.
-        await self._reclaim_pending()
-        while True:
-            resp = await self.r.xreadgroup(K.SCHEDULER_GROUP, self.id, {stream: ">"},
-                                           count=self.s.read_count, block=1000)
-            entries = decode_entries(resp)
-            if entries:
-                await self._handle(entries)
+        self._redis_trouble = True
+        await self._resilient("requests", self._request_iteration)
+
+    async def _request_iteration(self) -> None:
+        if self._redis_trouble:
+            # After start-up or an outage: the group may be gone (restarted server) and
+            # entries may have been read but not acked: take them again, idempotently.
+            await ensure_group(self.r, self.keys.requests, K.SCHEDULER_GROUP, "0")
+            await self._reclaim_pending()
+            self._redis_trouble = False
+        resp = await self.r.xreadgroup(K.SCHEDULER_GROUP, self.id, {self.keys.requests: ">"},
+                                       count=self.s.read_count, block=1000)
+        entries = decode_entries(resp)
+        if entries:
+            await self._handle(entries)
 
     async def _reclaim_pending(self) -> None:
+        """Take over entries read but never acked (by a dead leader, or by us before an
+        outage). A request that already has a rank in its record goes to that same rank
+        again (the engine ignores a second copy), so each is dispatched exactly once."""
         start = "0-0"
         while True:
             nxt, claimed, *_ = await self.r.xautoclaim(self.keys.requests, K.SCHEDULER_GROUP, self.id,
                                                         min_idle_time=0, start_id=start, count=1000)
-            entries = decode_entries([(self.keys.requests.encode(), claimed)]) if claimed else []
+            entries = [e for e in (decode_entries([(self.keys.requests.encode(), claimed)]) if claimed else [])
+                       if not (e[2].get("k") == "req" and e[2].get("id") in self.held)]
             if entries:
                 self.log.info("reclaimed_requests", n=len(entries))
-                await self._handle(entries)
+                pipe = self.r.pipeline(transaction=False)
+                for _, _, doc in entries:
+                    pipe.hget(self.keys.req(str(doc.get("id", ""))), "rank")
+                placed = await pipe.execute()
+                await self._handle(entries, placed)
             if nxt in (b"0-0", "0-0"):
                 return
             start = nxt
 
-    async def _handle(self, entries: list[tuple[bytes, bytes, dict[str, Any]]]) -> None:
+    async def _handle(self, entries: list[tuple[bytes, bytes, dict[str, Any]]],
+                      placed: list[Any] | None = None) -> None:
         now = time.time()
         pipe = self.r.pipeline(transaction=False)
         acks: list[bytes] = []
-        for _, eid, doc in entries:
+        for i, (_, eid, doc) in enumerate(entries):
             kind = doc.get("k")
             try:
                 if kind == "req":
                     req = Request.from_dict(doc)
                     info = RequestInfo(req.id, req.prompt_tokens, req.params.max_tokens, req.arrival)
-                    if req.rank is not None:
+                    if placed is not None and placed[i] is not None:
+                        # Dispatched before (reclaimed after a crash or outage): same rank again.
+                        req.rank = int(placed[i])
+                        self._emit(pipe, req, Assignment(req.id, req.rank, reason="redispatch"), now)
+                        acks.append(eid)
+                    elif req.rank is not None:
                         self.counters["explicit"] += 1
                         self._emit(pipe, req, self.policy.note_explicit(info, req.rank, now), now)
                         acks.append(eid)
@@ -223,22 +281,24 @@ class SchedulerService:
         self.counters["aborts_routed"] += 1
 
     async def _batch_loop(self) -> None:
-        while True:
-            deadline = self.policy.next_deadline()
-            timeout = None if deadline is None else max(0.0, deadline - time.time())
-            self.wake_batcher.clear()
-            try:
-                await asyncio.wait_for(self.wake_batcher.wait(), timeout)
-            except TimeoutError:
-                pass
-            released = self.policy.poll(time.time())
-            if released:
-                now = time.time()
-                pipe = self.r.pipeline(transaction=False)
-                acks = [self._release(pipe, a, now) for a in released]
-                self._record_batches(pipe, released)
-                pipe.xack(self.keys.requests, K.SCHEDULER_GROUP, *acks)
-                await pipe.execute()
+        await self._resilient("batches", self._batch_iteration)
+
+    async def _batch_iteration(self) -> None:
+        deadline = self.policy.next_deadline()
+        timeout = None if deadline is None else max(0.0, deadline - time.time())
+        self.wake_batcher.clear()
+        try:
+            await asyncio.wait_for(self.wake_batcher.wait(), timeout)
+        except TimeoutError:
+            pass
+        released = self.policy.poll(time.time())
+        if released:
+            now = time.time()
+            pipe = self.r.pipeline(transaction=False)
+            acks = [self._release(pipe, a, now) for a in released]
+            self._record_batches(pipe, released)
+            pipe.xack(self.keys.requests, K.SCHEDULER_GROUP, *acks)
+            await pipe.execute()
 
     def _record_batches(self, pipe: Any, released: list[Assignment]) -> None:
         seen: set[str] = set()
@@ -251,27 +311,30 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ step stats
     async def _stats_loop(self) -> None:
-        last = "$"
-        while True:
-            deadline = self.agg.next_deadline()
-            block_ms = 1000 if deadline is None else max(1, int((deadline - time.time()) * 1000))
-            resp = await self.r.xread({self.keys.stats: last}, block=block_ms, count=4096)
-            now = time.time()
-            snaps: list[Snapshot] = []
-            for _, eid, doc in decode_entries(resp):
-                last = eid
-                try:
-                    snap = self.agg.report(RankStats.from_dict(doc), now)
-                except Exception as exc:  # noqa: BLE001
-                    self.log.warning("bad_stats_entry", error=str(exc))
-                    continue
-                if snap is not None:
-                    snaps.append(snap)
-            snap = self.agg.tick(now)
+        self._stats_last: bytes | str = "$"
+        await self._resilient("stats", self._stats_iteration)
+
+    async def _stats_iteration(self) -> None:
+        last = self._stats_last
+        deadline = self.agg.next_deadline()
+        block_ms = 1000 if deadline is None else max(1, int((deadline - time.time()) * 1000))
+        resp = await self.r.xread({self.keys.stats: last}, block=block_ms, count=4096)
+        now = time.time()
+        snaps: list[Snapshot] = []
+        for _, eid, doc in decode_entries(resp):
+            last = self._stats_last = eid
+            try:
+                snap = self.agg.report(RankStats.from_dict(doc), now)
+            except Exception as exc:  # noqa: BLE001
+                self.log.warning("bad_stats_entry", error=str(exc))
+                continue
             if snap is not None:
                 snaps.append(snap)
-            if snaps:
-                await self._publish(snaps)
+        snap = self.agg.tick(now)
+        if snap is not None:
+            snaps.append(snap)
+        if snaps:
+            await self._publish(snaps)
 
     async def _publish(self, snaps: list[Snapshot]) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -292,23 +355,25 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ membership
     async def _membership_loop(self) -> None:
-        while True:
-            pipe = self.r.pipeline(transaction=False)
-            for r in self.ranks:
-                pipe.exists(self.keys.rank_alive(r))
-            pipe.smembers(self.keys.drained)
-            res = await pipe.execute()
-            live = [r for r, alive in zip(self.ranks, res[:-1]) if alive]
-            drained = {int(x) for x in res[-1]}
-            if live != self.live or drained != self.drained:
-                self.log.info("ranks_changed", live=live, drained=sorted(drained))
-                self.live, self.drained = live, drained
-                self.agg.set_live(live)
-                eligible = [r for r in live if r not in drained] or [r for r in self.ranks if r not in drained]
-                self.policy.set_ranks(eligible or self.ranks)
-                if self.batching:
-                    self.wake_batcher.set()   # fewer ranks can make a held batch full
-            await asyncio.sleep(0.25)
+        await self._resilient("membership", self._membership_iteration)
+
+    async def _membership_iteration(self) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for r in self.ranks:
+            pipe.exists(self.keys.rank_alive(r))
+        pipe.smembers(self.keys.drained)
+        res = await pipe.execute()
+        live = [r for r, alive in zip(self.ranks, res[:-1]) if alive]
+        drained = {int(x) for x in res[-1]}
+        if live != self.live or drained != self.drained:
+            self.log.info("ranks_changed", live=live, drained=sorted(drained))
+            self.live, self.drained = live, drained
+            self.agg.set_live(live)
+            eligible = [r for r in live if r not in drained] or [r for r in self.ranks if r not in drained]
+            self.policy.set_ranks(eligible or self.ranks)
+            if self.batching:
+                self.wake_batcher.set()   # fewer ranks can make a held batch full
+        await asyncio.sleep(0.25)
 
 
 def main(settings: SchedulerSettings) -> int:
