@@ -318,7 +318,7 @@ def _cls(cls: type, **extra: Any) -> Factory:
     return make
 
 
-def policy_specs(lockstep_gate_timeout_s: float = 0.05) -> dict[str, PolicySpec]:
+def policy_specs(lockstep_gate_timeout_s: float = 0.1) -> dict[str, PolicySpec]:
     specs = [
         PolicySpec("round_robin", _lockstep("round_robin"), lockstep=True,
                    source="lockstep shared/policy/dispatch.py RoundRobin"),

@@ -55,7 +55,7 @@ class SimConfig:
     publish_ms: float = 0.5          # snapshot -> dispatchers (pub/sub)
     jitter_ms: float = 0.5           # uniform extra latency per hop (seeded)
     grace_ms: float = 50.0           # StepAggregator grace
-    lockstep_gate_timeout_ms: float = 50.0
+    lockstep_gate_timeout_ms: float = 100.0   # EngineSettings.gate_timeout_ms default
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
