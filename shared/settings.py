@@ -89,6 +89,7 @@ class SchedulerSettings(Settings):
     snapshot_min_interval_ms: float = field(default=0.0, metadata={"help": "Publish snapshots at most this often."})
     max_wait_ms: float = field(default=0.0, metadata={"help": "Staggered: longest a request is held; 0 = learned (about two steps)."})
     lease_ms: int = field(default=3000, metadata={"help": "Leadership lease; a standby takes over after it lapses."})
+    metrics_port: int = field(default=0, metadata={"help": "Serve Prometheus metrics (lockstep_*) on this port; 0 = off."})
 
 
 @dataclass
@@ -109,6 +110,7 @@ class EngineSettings(Settings):
     host: str = field(default="127.0.0.1", metadata={"help": "Address other ranks reach this one at (rendezvous)."})
     seed: int = field(default=0, metadata={"help": "Model weight seed (identical on every rank)."})
     gate_timeout_ms: float = field(default=100.0, metadata={"help": "Staggered batches: rank 0 releases a batch whose shares did not all arrive within this."})
+    metrics_port: int = field(default=0, metadata={"help": "Serve Prometheus metrics (lockstep_engine_*) on this port; 0 = off."})
 
 
 ALL_SETTINGS: list[type[Settings]] = [ApiServerSettings, SchedulerSettings, EngineSettings]

@@ -105,6 +105,8 @@ class EngineWorker:
                 LockstepGroup.init, self.rank, self.s.ranks, addr, port, self.s.collective_timeout_s, self.s.device)
             self.backend = self._make_backend()
             await self.r.hset(self.keys.rank_info(self.rank), mapping={"ready": time.time(), "wave": 0, "step": 0})
+            from services.engine_worker.metrics import start_metrics
+            self.metrics = start_metrics(self.s.metrics_port, self.rank)
             self.log.info("engine_ready", world=self.s.ranks, backend=self.s.backend, pid=os.getpid())
             await self._step_loop()
             return 0
@@ -302,6 +304,8 @@ class EngineWorker:
                    "preemptions": self.core.num_preemptions, "round_trips": self.round_trips,
                    "exchange_s": round(self.exchange_s, 6),
                    "comm_s": round(getattr(self.backend, "comm_seconds", 0.0), 6)})
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.on_step(stats)
         blob = dumps(stats.to_dict())
         step_key = self.keys.step(self.wave, self.step)
         pipe.hset(step_key, str(self.rank), blob)

@@ -70,6 +70,8 @@ class SchedulerService:
         if not await self._become_leader():
             return 0
         self.log.info("scheduler_leading", policy=self.s.policy, ranks=self.s.ranks)
+        from services.scheduler.metrics import start_metrics
+        self.metrics = start_metrics(self, self.s.metrics_port)
         tasks = [asyncio.create_task(c) for c in (
             self._request_loop(), self._stats_loop(), self._membership_loop(), self._lease_loop())]
         if self.batching:
@@ -243,6 +245,8 @@ class SchedulerService:
         req.batch_counts = list(a.batch_counts) if a.batch_counts else None
         req.dispatcher = a.dispatcher or "scheduler"
         req.dispatch_seq = a.seq
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.on_dispatch(a, req, now)
         pipe.xadd(self.keys.inbox(a.rank), {FIELD: dumps(req.to_dict())})
         rec = {"state": "dispatched", "rank": a.rank, "api": req.api, "t_arrival": req.arrival,
                "t_dispatched": now, "prompt_tokens": req.prompt_tokens, "max_tokens": req.params.max_tokens,
