@@ -1,0 +1,60 @@
+"""Container health checks (compose.yaml): ``python -m services.admin.healthcheck ROLE``.
+
+- ``scheduler``: Redis answers and some scheduler holds the leadership lease (a standby
+  is healthy while another one leads).
+- ``engine``: Redis answers and a rank slot whose heartbeat is alive was claimed from
+  this host (``<ns>:rank:{r}:info`` host == this container's hostname).
+
+Settings (Redis URL, namespace, ranks) come from the same LOCKSTEP_* variables as the
+service. Exit 0 when healthy, 1 with one line on stderr when not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+
+from shared import keys as K
+from shared.bus import connect
+from shared.settings import EngineSettings
+
+
+async def check(role: str) -> str | None:
+    s = EngineSettings.from_env()
+    k = K.Keys(s.namespace)
+    r = connect(s.redis_url, timeout_s=3.0)
+    try:
+        await r.ping()
+        if role == "scheduler":
+            return None if await r.exists(k.leader) else "no scheduler holds the leadership lease"
+        if role == "engine":
+            host = socket.gethostname()
+            pipe = r.pipeline(transaction=False)
+            for i in range(s.ranks):
+                pipe.hget(k.rank_info(i), "host")
+                pipe.exists(k.rank_alive(i))
+            res = await pipe.execute()
+            for i in range(s.ranks):
+                if res[2 * i] == host.encode() and res[2 * i + 1]:
+                    return None
+            return f"no live rank slot claimed from host {host}"
+        return f"unknown role {role!r} (scheduler or engine)"
+    finally:
+        await r.aclose()
+
+
+def main(argv: list[str]) -> int:
+    role = argv[1] if len(argv) > 1 else ""
+    try:
+        problem = asyncio.run(asyncio.wait_for(check(role), 5.0))
+    except Exception as exc:  # noqa: BLE001 - any failure is unhealthy
+        problem = f"{exc.__class__.__name__}: {exc}"
+    if problem:
+        print(f"unhealthy: {problem}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
