@@ -145,7 +145,7 @@ def engine_worker(sets: list[str] = SET_OPT) -> None:
 def _register_optional() -> None:
     """Commands that live in their own modules register themselves here."""
     import importlib
-    for mod in ("services.admin.simulate_cmd",):
+    for mod in ("services.admin.simulate_cmd", "services.admin.ops", "services.admin.watch"):
         try:
             module = importlib.import_module(mod)
         except ImportError:

@@ -90,9 +90,12 @@ class LocalCluster:
         asyncio.run(self._prepare_redis())
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = self._env()
-        self._spawn("scheduler", ["scheduler"], env)
+        # Metrics only if asked: LOCKSTEP_METRICS_PORT=N gives the scheduler N and rank i N+1+i.
+        mport = int(env.pop("LOCKSTEP_METRICS_PORT", "") or 0)
+        port_env = (lambda n: {"LOCKSTEP_METRICS_PORT": str(mport + n)} if mport else {})
+        self._spawn("scheduler", ["scheduler"], {**env, **port_env(0)})
         for i in range(o.ranks):
-            self._spawn(f"engine-{i}", ["engine-worker"], {**env, "LOCKSTEP_RANK": str(i)})
+            self._spawn(f"engine-{i}", ["engine-worker"], {**env, "LOCKSTEP_RANK": str(i), **port_env(1 + i)})
         for i in range(o.api_servers):
             self._spawn(f"api-{i}", ["api-server"], {**env, "LOCKSTEP_API_ID": f"api{i}"})
         self._wait_ready()
