@@ -42,6 +42,9 @@ def up(
                                             help="Use this Redis instead of starting a private one."),
     persist: Optional[str] = typer.Option(None, "--persist", help="Keep the embedded Redis data in this directory."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="sim backend: scale modeled device time (0 = none)."),
+    max_wait_ms: Optional[float] = typer.Option(None, "--max-wait-ms", min=0.0,
+                                                help="staggered: longest a request is held before its batch goes out "
+                                                     "(LOCKSTEP_MAX_WAIT_MS; default: learned, about two steps)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
 ) -> None:
     """Start a local cluster: Redis (embedded unless --redis-url), scheduler, engine ranks, api-servers."""
@@ -59,7 +62,8 @@ def up(
         _fail(f"a local cluster already runs in namespace {namespace!r}; stop it first or use --namespace", 2)
     opts = UpOptions(ranks=ranks, api_servers=api_servers, port=port, host=host, backend=backend, policy=policy,
                      dispatch=dispatch, namespace=namespace, redis_url=redis_url, persist_dir=persist,
-                     time_scale=time_scale, log_level=log_level)
+                     time_scale=time_scale, log_level=log_level,
+                     extra_env={"LOCKSTEP_MAX_WAIT_MS": f"{max_wait_ms:g}"} if max_wait_ms is not None else {})
     cluster = LocalCluster(opts, out=lambda m: typer.echo(m, err=True))
     typer.echo(f"lockstep: starting {ranks} {backend} ranks and {api_servers} api-servers...", err=True)
     try:
@@ -145,7 +149,7 @@ def engine_worker(sets: list[str] = SET_OPT) -> None:
 def _register_optional() -> None:
     """Commands that live in their own modules register themselves here."""
     import importlib
-    for mod in ("services.admin.simulate_cmd", "services.admin.ops", "services.admin.watch"):
+    for mod in ("services.admin.simulate_cmd", "services.admin.bench_cmd", "services.admin.ops", "services.admin.watch"):
         try:
             module = importlib.import_module(mod)
         except ImportError:

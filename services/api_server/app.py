@@ -130,6 +130,9 @@ def create_app(settings: ApiServerSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def prom() -> Response:
+        gw = state.get("gw")
+        if gw is not None and gw.policy is not None:
+            metrics.observe_policy(gw.policy)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

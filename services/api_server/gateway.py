@@ -101,12 +101,15 @@ class Gateway:
     # ------------------------------------------------------------------ requests
     def submit(self, req: Request) -> RequestChannel:
         ch = self.channels[req.id] = RequestChannel(req.id)
-        if self.client_dispatch and req.rank is None and self.policy is not None:
-            a = self.policy.choose(RequestInfo(req.id, req.prompt_tokens, req.params.max_tokens, req.arrival),
-                                   req.arrival)
+        if self.client_dispatch and self.policy is not None:
+            info = RequestInfo(req.id, req.prompt_tokens, req.params.max_tokens, req.arrival)
+            if req.rank is None:
+                a = self.policy.choose(info, req.arrival)
+                if self.metrics is not None:
+                    self.metrics.dispatch.labels(str(a.rank)).inc()
+            else:   # pinned by the client: still part of this replica's local view
+                a = self.policy.note_explicit(info, req.rank, req.arrival)
             req.rank, req.dispatcher, req.dispatch_seq = a.rank, a.dispatcher, a.seq
-            if self.metrics is not None:
-                self.metrics.dispatch.labels(str(a.rank)).inc()
         if req.rank is not None and self.client_dispatch:
             self.rank_of[req.id] = req.rank
             self._enqueue(self.keys.inbox(req.rank), dumps(req.to_dict()), req.id)
@@ -217,7 +220,6 @@ class Gateway:
                     self._on_snapshot(msg["data"])
         finally:
             await pubsub.aclose()
-
 
     def _on_snapshot(self, blob: bytes) -> None:
         snap = Snapshot.from_dict(_loads(blob))
