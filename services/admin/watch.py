@@ -177,13 +177,14 @@ def render_frame(data: dict[str, Any]) -> Any:
     br, snap = m["balance_ratio"], data["snapshot"]
     stats = Text.from_markup("\n".join([
         f"step rate [bold]{m['step_rate']:.1f}/s[/bold] ({m['steps']} steps, {m['work_steps']} with work)   "
-        f"balance ratio [bold]{_fmt(br, '.3f')}[/bold]   "
-        f"idle-forward fraction [bold]{_fmt(m['idle_forward_fraction'], '.3f')}[/bold]",
-        f"queues: requests stream {q['requests_len']} (unread {q['scheduler_lag']}, unacked {q['scheduler_pending']})"
-        f"   held for a batch {q['held_for_batch']}   rank inboxes unacked {q['inbox_pending']}",
+        f"balance ratio [bold]{_fmt(br, '.3f')}[/bold]",
+        f"idle-forward fraction [bold]{_fmt(m['idle_forward_fraction'], '.3f')}[/bold]   "
+        f"dispatched {data['scheduler'].get('counters', {}).get('dispatched', 0)}",
         f"TTFT ms p50 [bold]{_fmt(tt['p50'], '.1f')}[/bold]  p90 {_fmt(tt['p90'], '.1f')}  "
-        f"p99 {_fmt(tt['p99'], '.1f')}  (n={tt['n']})   "
-        f"dispatched {data['scheduler'].get('counters', {}).get('dispatched', 0)}   "
+        f"p99 {_fmt(tt['p99'], '.1f')}  (n={tt['n']})",
+        f"queues: requests stream {q['requests_len']} (unread {q['scheduler_lag']}, unacked {q['scheduler_pending']})"
+        f"   held for a batch {q['held_for_batch']}",
+        f"rank inboxes unacked {q['inbox_pending']}   "
         + (f"snapshot wave {snap['wave']} step {snap['step']} ({snap['age_s']:.1f}s ago)" if snap else "no snapshot yet"),
     ]))
     return Group(head, t, stats)
