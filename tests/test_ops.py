@@ -342,3 +342,16 @@ def test_metrics_hooks_without_a_cluster():
     assert 'lockstep_scheduler_rank_drained{rank="1"} 1.0' in text
     assert 'lockstep_snapshot_rank_scheduled{rank="0"} 7.0' in text
     assert 'lockstep_scheduler_policy_batches_total{reason="full"}' in text
+
+
+# ---------------------------------------------------------------------- healthcheck
+def test_container_healthchecks_pass_on_a_live_cluster(cluster):
+    env = {**os.environ, "LOCKSTEP_REDIS_URL": cluster.redis_url, "LOCKSTEP_NAMESPACE": cluster.namespace,
+           "LOCKSTEP_RANKS": "2"}
+    for role in ("scheduler", "engine"):
+        res = subprocess.run([sys.executable, "-m", "services.admin.healthcheck", role],
+                             capture_output=True, text=True, timeout=30, env=env, cwd=ROOT)
+        assert res.returncode == 0, (role, res.stderr)
+    res = subprocess.run([sys.executable, "-m", "services.admin.healthcheck", "engine"], capture_output=True,
+                         text=True, timeout=30, env={**env, "LOCKSTEP_NAMESPACE": "nobody"}, cwd=ROOT)
+    assert res.returncode == 1 and "no live rank slot" in res.stderr
