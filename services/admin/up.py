@@ -123,7 +123,10 @@ class LocalCluster:
 
     def _env(self) -> dict[str, str]:
         o = self.o
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKSTEP_")}
+        # The caller's LOCKSTEP_* settings that `up` does not set itself reach every child
+        # (e.g. LOCKSTEP_NUM_KV_BLOCKS for the engines); the ones below always win, and a
+        # per-process identity (rank, api id) is never inherited.
+        env = {k: v for k, v in os.environ.items() if k not in ("LOCKSTEP_RANK", "LOCKSTEP_API_ID")}
         env.update({
             "LOCKSTEP_REDIS_URL": self.url, "LOCKSTEP_NAMESPACE": o.namespace, "LOCKSTEP_RANKS": str(o.ranks),
             "LOCKSTEP_BACKEND": o.backend, "LOCKSTEP_POLICY": o.policy, "LOCKSTEP_DISPATCH": o.dispatch,
