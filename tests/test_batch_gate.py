@@ -66,3 +66,18 @@ def test_unbatched_requests_never_wait_and_bookkeeping_is_pruned():
         assert g.may_prefill(s)
         g.forget_done(set())
     assert not g.counts and not g.arrived and not g.released
+
+
+def test_a_batch_only_this_rank_shares_is_released_on_arrival():
+    gates = [BatchGate(rank=r) for r in range(4)]
+    lone = seq(1, "scheduler-9", [0, 0, 1, 0])
+    gates[2].on_arrival(lone)
+    assert gates[2].may_prefill(lone)            # no exchange needed: nobody else has a share
+    assert gates[2].released_full == 1 and gates[2].oldest_held() == 0
+    shared = seq(2, "scheduler-10", [0, 0, 1, 1])
+    gates[2].on_arrival(shared)
+    assert not gates[2].may_prefill(shared)      # rank 3's share still counts
+    exchange(gates, 0.0)
+    assert not gates[2].may_prefill(shared)
+    gates[2].forget_done(set())
+    assert 9 not in gates[2].counts

@@ -37,6 +37,7 @@ DEFAULT_REQUESTS = 100
 DEFAULT_RATE = 8.0            # requests/s
 STATS_SETTLE_S = 0.5          # after the last completion: let the last step reports land
 REQUEST_TIMEOUT_S = 600.0
+WARM_CONNECTIONS = 64        # connections opened (GET /v1/models) before the run starts
 
 
 # ---------------------------------------------------------------------- trace
@@ -227,7 +228,7 @@ async def run_bench(url: str, redis_url: str | None, namespace: str, workload: s
     from shared.measures import percentiles, throughput
 
     base = _base_url(url)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=WARM_CONNECTIONS)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         try:
@@ -235,6 +236,10 @@ async def run_bench(url: str, redis_url: str | None, namespace: str, workload: s
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
             raise ConnectionError(f"cannot reach the lockstep API at {base}: {exc}") from None
         name, items = build_trace(workload, requests, rate, seed, trace, max_model_len)
+        # Open the connections a burst will need before the clock starts, so the first
+        # requests of the trace do not pay TCP set-up (and a cold replica's first request).
+        await asyncio.gather(*(client.get(base + "/models") for _ in range(min(len(items), WARM_CONNECTIONS))),
+                             return_exceptions=True)
         keys = K.Keys(namespace)
         r = connect(redis_url) if redis_url else None
         follower = StatsFollower(r, keys.stats) if r is not None else None

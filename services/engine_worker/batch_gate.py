@@ -10,7 +10,8 @@ ranks that share a batch release it in the same step:
 * ``oldest_held``: the oldest batch number this rank still holds (0 = none).
 
 Release of batch n (counts c, known to every rank with a share): when every rank r with
-c[r] > 0 reports ``complete >= n``; or when the *leader* (rank 0) has seen the group's
+c[r] > 0 reports ``complete >= n`` (at arrival, without an exchange, when the only share is
+this rank's own); or when the *leader* (rank 0) has seen the group's
 oldest held batch stay held longer than ``timeout_s`` and announces ``release <= n`` in its
 row of the next collective. Only one rank decides the timeout, so ranks can never disagree
 (a per-rank timer would let one rank prefill while another waits: the FastDeploy deadlock).
@@ -66,6 +67,12 @@ class BatchGate:
         self.arrived[n] = self.arrived.get(n, 0) + 1
         if self.arrived[n] >= share:
             self.complete = max(self.complete, n)
+            if share and not any(c for r, c in enumerate(counts) if r != self.rank):
+                # Only this rank has a share (a lone request at low load): every rank would
+                # reach the same verdict from the next exchange, so release it now and save
+                # the extra collective round before its prefill.
+                self.released.add(n)
+                self.released_full += 1
 
     def may_prefill(self, seq: Sequence) -> bool:
         n = batch_number(seq.batch)
