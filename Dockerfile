@@ -20,5 +20,5 @@ RUN pip install --no-deps . && useradd --create-home --uid 10001 lockstep
 USER lockstep
 
 # Engines announce where the other ranks reach them (rendezvous): the container's address.
-ENTRYPOINT ["/bin/sh", "-c", "export LOCKSTEP_HOST=\"${LOCKSTEP_HOST:-$(hostname -i | cut -d' ' -f1)}\"; exec lockstep \"$@\"", "lockstep"]
+ENTRYPOINT ["/bin/sh", "-c", "export LOCKSTEP_GROUP_HOST=\"${LOCKSTEP_GROUP_HOST:-$(hostname -i | cut -d' ' -f1)}\"; exec lockstep \"$@\"", "lockstep"]
 CMD ["--help"]

@@ -61,6 +61,7 @@ class Request:
     generated: list[int] = field(default_factory=list)
     dispatcher: str | None = None  # who placed it (Assignment.dispatcher) ...
     dispatch_seq: int = 0          # ... and its per-(dispatcher, rank) seq, echoed in RankStats.recv
+    epoch: int = 0                 # bumped on each resume; deltas of an older epoch are ignored
 
     @property
     def prompt_tokens(self) -> int:
@@ -80,6 +81,8 @@ class Request:
         if self.dispatcher is not None:
             d["dp"] = self.dispatcher
             d["ds"] = self.dispatch_seq
+        if self.epoch:
+            d["ep"] = self.epoch
         return d
 
     @classmethod
@@ -89,7 +92,8 @@ class Request:
         return cls(id=d["id"], api=d["api"], prompt=prompt,
                    params=SamplingParams.from_dict(d["sp"]), arrival=d["at"],
                    rank=d.get("r"), batch=d.get("b"), batch_counts=d.get("bc"),
-                   generated=list(d.get("g", ())), dispatcher=d.get("dp"), dispatch_seq=d.get("ds", 0))
+                   generated=list(d.get("g", ())), dispatcher=d.get("dp"), dispatch_seq=d.get("ds", 0),
+                   epoch=d.get("ep", 0))
 
 
 def _all_bytes(tokens: list[int]) -> bool:
@@ -125,9 +129,12 @@ class Delta:
     prompt_tokens: int = 0
     rank: int = -1
     error: str | None = None
+    epoch: int = 0                 # the request's resume epoch on the rank that produced it
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "o": self.pos, "t": self.tokens, "r": self.rank}
+        if self.epoch:
+            d["ep"] = self.epoch
         if self.finish is not None:
             d["f"] = self.finish
             d["pt"] = self.prompt_tokens
@@ -138,7 +145,7 @@ class Delta:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Delta":
         return cls(id=d["id"], pos=d["o"], tokens=d["t"], finish=d.get("f"),
-                   prompt_tokens=d.get("pt", 0), rank=d.get("r", -1), error=d.get("e"))
+                   prompt_tokens=d.get("pt", 0), rank=d.get("r", -1), error=d.get("e"), epoch=d.get("ep", 0))
 
 
 def encode_deltas(deltas: list[Delta]) -> bytes:

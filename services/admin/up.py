@@ -50,6 +50,12 @@ class Child:
     role: str
     proc: subprocess.Popen
     log: Path
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: list[float] = field(default_factory=list)   # when it was restarted (recent ones)
+
+
+MAX_RESTARTS_PER_MIN = 5
 
 
 class LocalCluster:
@@ -139,12 +145,27 @@ class LocalCluster:
 
     def _spawn(self, role: str, args: list[str], env: dict[str, str]) -> None:
         log = self.log_dir / f"{role}.log"
+        self.children.append(Child(role, self._popen(args, env, log), log, args, env))
+
+    @staticmethod
+    def _popen(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         fh = open(log, "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "services.admin.cli", *args], env=env,
-                                stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=die_with_parent)
-        fh.close()
-        self.children.append(Child(role, proc, log))
+        try:
+            return subprocess.Popen([sys.executable, "-m", "services.admin.cli", *args], env=env,
+                                    stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=die_with_parent)
+        finally:
+            fh.close()
+
+    def _restart(self, c: Child) -> bool:
+        """Start a dead child again (a replacement rank re-joins the engine group and the
+        scheduler resumes the dead one's requests); give up if it keeps dying."""
+        now = time.monotonic()
+        c.restarts = [t for t in c.restarts if now - t < 60] + [now]
+        if len(c.restarts) > MAX_RESTARTS_PER_MIN:
+            return False
+        c.proc = self._popen(c.args, c.env, c.log)
+        return True
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.o.ready_timeout_s
@@ -199,9 +220,14 @@ class LocalCluster:
             signal.signal(sig, on_signal)
         while stop["sig"] is None:
             for c in self.children:
-                if c.proc.poll() is not None:
-                    self.out(f"lockstep: {c.role} exited with code {c.proc.returncode}; stopping the cluster. "
-                             f"Log: {c.log}")
+                code = c.proc.poll()
+                if code is None:
+                    continue
+                if self._restart(c):
+                    self.out(f"lockstep: {c.role} exited with code {code}; restarted it. Log: {c.log}")
+                else:
+                    self.out(f"lockstep: {c.role} keeps exiting ({MAX_RESTARTS_PER_MIN} times in a minute); "
+                             f"stopping the cluster. Log: {c.log}")
                     self.stop()
                     return 1
             time.sleep(0.2)

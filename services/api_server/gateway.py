@@ -23,7 +23,8 @@ from shared.stats import Snapshot
 class RequestChannel:
     """Tokens of one request as they arrive; ``pos`` in each delta drops duplicates."""
 
-    __slots__ = ("id", "tokens", "finish", "error", "prompt_tokens", "event", "rank", "first_t", "last_t")
+    __slots__ = ("id", "tokens", "finish", "error", "prompt_tokens", "event", "rank", "first_t", "last_t",
+                 "req", "epoch")
 
     def __init__(self, rid: str) -> None:
         self.id = rid
@@ -35,10 +36,12 @@ class RequestChannel:
         self.event = asyncio.Event()
         self.first_t = 0.0
         self.last_t = 0.0
+        self.req: Request | None = None    # kept to resubmit it if its rank dies
+        self.epoch = 0
 
     def feed(self, d: Delta, now: float) -> None:
-        if self.finish is not None:
-            return
+        if self.finish is not None or d.epoch < self.epoch:
+            return   # finished, or a late delta from the rank this request was moved away from
         have = len(self.tokens)
         if d.pos <= have:
             new = d.tokens[have - d.pos:]
@@ -101,6 +104,7 @@ class Gateway:
     # ------------------------------------------------------------------ requests
     def submit(self, req: Request) -> RequestChannel:
         ch = self.channels[req.id] = RequestChannel(req.id)
+        ch.req = req
         if self.client_dispatch and self.policy is not None:
             info = RequestInfo(req.id, req.prompt_tokens, req.params.max_tokens, req.arrival)
             if req.rank is None:
@@ -180,11 +184,34 @@ class Gateway:
             now = time.monotonic()
             for _, eid, doc in decode_entries(resp):
                 last = eid
+                if doc.get("k") == "resume":
+                    self._resume(doc.get("ids", ()))
+                    continue
                 for raw in doc.get("ds", ()):
                     d = Delta.from_dict(raw)
                     ch = self.channels.get(d.id)
                     if ch is not None:
                         ch.feed(d, now)
+
+    def _resume(self, ids: Any) -> None:
+        """The scheduler found these requests on a dead rank: resubmit each with the tokens
+        the client already has; the new rank continues exactly where the stream stopped."""
+        for rid in ids:
+            ch = self.channels.get(rid)
+            if ch is None or ch.finish is not None or ch.req is None:
+                continue
+            ch.epoch += 1
+            req = ch.req
+            req.generated = list(ch.tokens)
+            req.epoch = ch.epoch
+            req.rank = req.dispatcher = req.batch = req.batch_counts = None
+            req.dispatch_seq = 0
+            self.rank_of.pop(rid, None)
+            self._enqueue(self.keys.requests, dumps(req.to_dict()), rid)
+            if self.metrics is not None:
+                self.metrics.resumed.inc()
+        if self.log is not None:
+            self.log.warning("requests_resumed", n=len(ids))
 
     async def _after_outage(self) -> None:
         """Back from a Redis outage. A restarted server without persistence has lost the

@@ -23,6 +23,7 @@ class ApiMetrics:
         self.completion_tokens = Counter("lockstep_api_completion_tokens", "Completion tokens returned", registry=r)
         self.aborts = Counter("lockstep_api_aborts", "Requests aborted (client gone or timeout)", ["reason"], registry=r)
         self.rejected = Counter("lockstep_api_rejected", "Requests refused for overload (429)", registry=r)
+        self.resumed = Counter("lockstep_api_resumed", "Requests resubmitted after their rank died", registry=r)
         self.redis_errors = Counter("lockstep_api_redis_errors", "Redis operations that failed", registry=r)
         self.dispatch = Counter("lockstep_api_dispatch_decisions", "Client-dispatch decisions by rank",
                                 ["rank"], registry=r)

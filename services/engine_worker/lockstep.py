@@ -92,5 +92,10 @@ class LockstepGroup:
         return StepView(self._buf.cpu().tolist())
 
     def close(self) -> None:
-        if self.world_size > 1 and dist.is_initialized():
+        if self.world_size > 1:
+            self.close_default()
+
+    @staticmethod
+    def close_default() -> None:
+        if dist.is_initialized():
             dist.destroy_process_group()

@@ -47,6 +47,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     stop_checker: StopChecker | None = None
+    epoch: int = 0                      # resume epoch (Request.epoch), echoed in every delta
 
     def __post_init__(self) -> None:
         if self.streamed < 0:
@@ -60,7 +61,7 @@ class Sequence:
         return cls(id=req.id, prompt=list(req.prompt), params=req.params, arrival=req.arrival,
                    generated=list(req.generated), api=req.api, batch=req.batch,
                    batch_counts=req.batch_counts, dispatcher=dispatcher,
-                   dispatch_seq=dispatch_seq)
+                   dispatch_seq=dispatch_seq, epoch=req.epoch)
 
     # -- sizes -------------------------------------------------------------------------
 

@@ -78,6 +78,10 @@ class EngineWorker:
         self.round_trips = 0                      # Redis round trips of the step loop (goal: one per step)
         self.exchange_s = 0.0                     # wall time in the step collective (incl. waiting for peers)
         self._reread_pending = False              # after a Redis error: re-read our pending entries
+        self.gen = 0                              # generation of the engine group this rank is in
+        self.reforms = 0
+        self._reform_requested = False
+        self.consumer = ""
 
     # ------------------------------------------------------------------ start-up
     async def run(self) -> int:
@@ -97,12 +101,14 @@ class EngineWorker:
             return 3
         self.log = self.log.bind(rank=self.rank)
         self.gate.rank = self.rank
+        # A new consumer name per incarnation: what a dead predecessor left pending stays
+        # under its own name, where the scheduler finds it and resumes it elsewhere.
+        self.consumer = f"rank{self.rank}-{self.token[:8]}"
         heartbeat = asyncio.create_task(self._heartbeat())
         try:
             await self._prepare_streams()
-            addr, port = await self._rendezvous()
-            self.group = await asyncio.to_thread(
-                LockstepGroup.init, self.rank, self.s.ranks, addr, port, self.s.collective_timeout_s, self.s.device)
+            await self._announce_replacement()
+            await self._form_group()
             self.backend = self._make_backend()
             await self.r.hset(self.keys.rank_info(self.rank), mapping={"ready": time.time(), "wave": 0, "step": 0})
             from services.engine_worker.metrics import start_metrics
@@ -163,28 +169,75 @@ class EngineWorker:
             self.wave_last = last[0][0]
         await self.r.hset(self.keys.rank_info(self.rank), mapping={
             "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend,
-            "started": time.time(), "token": self.token})
-        # Entries delivered to a previous owner of this rank and never acked: take them over.
-        pending = await self.r.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {inbox: "0"}, count=10_000)
-        self.fetched.extend((eid, doc) for _, eid, doc in decode_entries(pending))
+            "started": time.time(), "token": self.token, "consumer": self.consumer})
 
     async def _rendezvous(self) -> tuple[str, int]:
-        """Rank 0 publishes where the group meets; the others wait for it (bounded)."""
+        """Rank 0 publishes where the group meets, with a generation one above the last;
+        the others wait (bounded) for a generation newer than the one they were in."""
         if self.s.ranks == 1:
-            return self.s.host, 0
+            return self.s.group_host, 0
         if self.rank == 0:
+            old = await self.r.hget(self.keys.dist, "gen")
+            self.gen = max(self.gen, int(old or 0)) + 1
             port = free_port()
             await self.r.hset(self.keys.dist, mapping={
-                "addr": self.s.host, "port": port, "world": self.s.ranks, "token": self.token, "t": time.time()})
-            return self.s.host, port
-        deadline = time.monotonic() + self.s.collective_timeout_s
+                "addr": self.s.group_host, "port": port, "world": self.s.ranks, "token": self.token, "t": time.time(),
+                "gen": self.gen, "formed": 0})
+            return self.s.group_host, port
+        deadline = time.monotonic() + max(self.s.collective_timeout_s, 60.0)
         while time.monotonic() < deadline and not self.stopping.is_set():
             d = await self.r.hgetall(self.keys.dist)
             rank0 = await self.r.get(self.keys.rank_alive(0))
-            if d and rank0 and d.get(b"token") == rank0:
+            if d and rank0 and d.get(b"token") == rank0 and int(d.get(b"gen", 0)) > self.gen:
+                self.gen = int(d[b"gen"])
                 return d[b"addr"].decode(), int(d[b"port"])
             await asyncio.sleep(0.05)
         raise TimeoutError("rank 0 did not publish the rendezvous address in time")
+
+    async def _form_group(self) -> None:
+        addr, port = await self._rendezvous()
+        self.group = await asyncio.to_thread(
+            LockstepGroup.init, self.rank, self.s.ranks, addr, port, self.s.collective_timeout_s, self.s.device)
+        if self.rank == 0:
+            await self.r.hset(self.keys.dist, "formed", 1)
+        self.log.info("engine_group_formed", gen=self.gen, world=self.s.ranks)
+
+    async def _announce_replacement(self) -> None:
+        """Joining a group that already ran (this rank replaces a dead one): wake the
+        paused survivors so they re-form now instead of at their next collective timeout."""
+        d = await self.r.hgetall(self.keys.dist)
+        if d and d.get(b"formed") == b"1":
+            formed = int(d.get(b"gen", 0))
+            if self.rank != 0:
+                self.gen = formed
+            # Tagged with the generation it replaces: ranks already past it ignore the notice.
+            await self.r.xadd(self.keys.wave, {FIELD: dumps({"w": -1, "r": self.rank, "reform": formed})},
+                              maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
+            self.log.warning("engine_replacing_rank", gen=self.gen)
+
+    async def _reform(self, why: str) -> None:
+        """The group broke (a rank died or hung) or a replacement joined: leave the old
+        group and meet again under a new generation. Work on this rank stays in memory;
+        a step whose collectives were cut is simply computed again."""
+        self.log.warning("engine_group_reforming", reason=why, gen=self.gen)
+        old = getattr(self, "group", None)
+        if old is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(old.close), 10)
+            except Exception:  # noqa: BLE001 - a broken group may not close cleanly
+                pass
+        while not self.stopping.is_set():
+            try:
+                await self._form_group()
+                self.reforms += 1
+                return
+            except Exception as exc:  # noqa: BLE001 - retry the rendezvous until the group is whole
+                self.log.warning("engine_group_retry", error=str(exc)[:200])
+                try:
+                    await asyncio.to_thread(LockstepGroup.close_default)
+                except Exception:  # noqa: BLE001
+                    pass
+                await asyncio.sleep(0.5)
 
     async def _release(self) -> None:
         try:
@@ -209,8 +262,15 @@ class EngineWorker:
             complete, oldest_held, release = self.gate.row()
             row = [int(self.core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
                    release, int(self.stopping.is_set())]
+            if self._reform_requested:
+                self._reform_requested = False
+                await self._reform("a replacement rank joined")
             tx = time.perf_counter()
-            view: StepView = await asyncio.to_thread(self.group.exchange, row)
+            try:
+                view: StepView = await asyncio.to_thread(self.group.exchange, row)
+            except RuntimeError as exc:        # a peer died or hung past the collective timeout
+                await self._reform(f"step collective failed: {str(exc)[:160]}")
+                continue
             self.exchange_s += time.perf_counter() - tx
             released = 0
             if self.gate.counts or any(view.column(F_GATE_HELD)):
@@ -234,7 +294,11 @@ class EngineWorker:
                 await self._pause()
                 continue
             t0 = time.perf_counter()
-            sampled = await self._forward(plan, action, view)
+            try:
+                sampled = await self._forward(plan, action, view)
+            except RuntimeError as exc:        # the all-to-all was cut: this step is recomputed
+                await self._reform(f"forward collective failed: {str(exc)[:160]}")
+                continue
             outputs = self.core.postprocess(plan, sampled, time.time())
             dur_ms = (time.perf_counter() - t0) * 1000
             await self._publish(plan, outputs, action, dur_ms)
@@ -301,7 +365,7 @@ class EngineWorker:
             outstanding=self.core.outstanding_tokens(), idle=action is Action.IDLE,
             dur_ms=round(dur_ms, 3), t=now, finished=finished, held=plan.held, recv=dict(self.recv),
             extra={"gate_full": self.gate.released_full, "gate_timeout": self.gate.released_timeout,
-                   "preemptions": self.core.num_preemptions, "round_trips": self.round_trips,
+                   "preemptions": self.core.num_preemptions, "reforms": self.reforms, "gen": self.gen, "round_trips": self.round_trips,
                    "exchange_s": round(self.exchange_s, 6),
                    "comm_s": round(getattr(self.backend, "comm_seconds", 0.0), 6)})
         if getattr(self, "metrics", None) is not None:
@@ -315,7 +379,7 @@ class EngineWorker:
                                                            "wave": self.wave, "step": self.step})
         room = max(0, self.s.max_num_seqs * 2 - self.core.num_waiting)
         if room:
-            pipe.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {self.keys.inbox(self.rank): self._read_from()},
+            pipe.xreadgroup(K.ENGINE_GROUP, self.consumer, {self.keys.inbox(self.rank): self._read_from()},
                             count=room)
         results = await self._execute(pipe)
         if room:
@@ -339,7 +403,8 @@ class EngineWorker:
         for out in outputs:
             seq = out.seq
             by_api[seq.api].append(Delta(seq.id, out.pos, out.new_tokens, out.finish_reason,
-                                         prompt_tokens=len(seq.prompt), rank=self.rank, error=seq.error))
+                                         prompt_tokens=len(seq.prompt), rank=self.rank, error=seq.error,
+                                         epoch=seq.epoch))
             if out.finish_reason is not None:
                 finished += 1
                 acks.append(self._forget(seq.id))
@@ -350,7 +415,7 @@ class EngineWorker:
         aborted, self._aborted = self._aborted, []
         for seq in aborted:
             by_api[seq.api].append(Delta(seq.id, len(seq.generated), [], "abort",
-                                         prompt_tokens=len(seq.prompt), rank=self.rank))
+                                         prompt_tokens=len(seq.prompt), rank=self.rank, epoch=seq.epoch))
             acks.append(self._forget(seq.id))
             pipe.hset(self.keys.req(seq.id), mapping={"state": "finished", "finish": "abort", "rank": self.rank,
                                                        "tokens": len(seq.generated), "t_finished": now})
@@ -399,7 +464,7 @@ class EngineWorker:
         """Wait briefly for inbox entries (the rest of a batch) without a forward."""
         await self._flush_outputs()
         pipe = Recorder()
-        pipe.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {self.keys.inbox(self.rank): self._read_from()},
+        pipe.xreadgroup(K.ENGINE_GROUP, self.consumer, {self.keys.inbox(self.rank): self._read_from()},
                         count=max(1, self.s.max_num_seqs * 2), block=HOLD_POLL_MS)
         self._take_fetched((await self._execute(pipe))[-1])
 
@@ -420,7 +485,9 @@ class EngineWorker:
             for stream, eid, doc in decode_entries(resp):
                 if stream.decode() == self.keys.wave:
                     self.wave_last = eid
-                    if int(doc.get("w", -1)) >= self.wave:
+                    if doc.get("reform") and doc.get("r") != self.rank and int(doc["reform"]) >= self.gen:
+                        self._reform_requested = woke = True
+                    elif int(doc.get("w", -1)) >= self.wave:
                         woke = True
                 else:
                     woke = woke_by_me = True
@@ -432,7 +499,7 @@ class EngineWorker:
         if woke_by_me or self.stopping.is_set():
             pipe.xadd(self.keys.wave, {FIELD: dumps({"w": self.wave, "r": self.rank})},
                       maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
-        pipe.xreadgroup(K.ENGINE_GROUP, f"rank{self.rank}", {inbox: self._read_from()},
+        pipe.xreadgroup(K.ENGINE_GROUP, self.consumer, {inbox: self._read_from()},
                         count=max(1, self.s.max_num_seqs * 2))
         self._take_fetched((await self._execute(pipe))[-1])
 

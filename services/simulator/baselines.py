@@ -292,6 +292,7 @@ class PolicySpec:
     publish_filter: Callable[[], Any] | None = None
     gate: tuple = ()                     # ("batch", timeout_s) | ("adp", timeout_iters, batching_wait_iters)
     with_tokens: bool = False            # ranks report extra["tokens"]
+    step_budget: dict | None = None      # engine-side per-step token alignment (BudgetConfig kwargs)
     lockstep: bool = False               # one of lockstep's own policies
     source: str = ""
 
@@ -345,6 +346,11 @@ def policy_specs(lockstep_gate_timeout_s: float = 0.1) -> dict[str, PolicySpec]:
         PolicySpec("staggered", _lockstep("staggered"), lockstep=True,
                    gate=("batch", lockstep_gate_timeout_s),
                    source="lockstep shared/policy/staggered.py StaggeredBatcher + engine gate"),
+        PolicySpec("aligned", _lockstep("least_tokens"), lockstep=True, step_budget={},
+                   source="lockstep LeastTokens + per-step token budget (step_budget.py)"),
+        PolicySpec("staggered_aligned", _lockstep("staggered"), lockstep=True,
+                   gate=("batch", lockstep_gate_timeout_s), step_budget={},
+                   source="lockstep StaggeredBatcher + engine gate + per-step token budget"),
     ]
     return {s.name: s for s in specs}
 

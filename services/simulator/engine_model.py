@@ -44,6 +44,7 @@ step's collective; in the simulator it is one object):
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ import numpy as np
 from shared.cost_model import CostModel
 from shared.policy.base import Assignment
 from shared.stats import RankStats
+from services.engine_worker.step_budget import BudgetConfig, must_tokens, shared_budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +165,7 @@ class EngineGroup:
 
     def __init__(self, ranks: int, cfg: EngineConfig, cost: CostModel, prompt: np.ndarray,
                  output: np.ndarray, *, gate: BatchGate | AdpGate | None = None,
-                 cost_divisor: int = 1) -> None:
+                 cost_divisor: int = 1, budget: BudgetConfig | None = None) -> None:
         self.R, self.S = ranks, cfg.max_num_seqs
         self.cfg, self.cost = cfg, cost
         self.B = cfg.max_num_batched_tokens
@@ -189,6 +191,10 @@ class EngineGroup:
         self.finished_step = [0] * ranks
         self.recv: list[dict[str, int]] = [{} for _ in range(ranks)]
         self.gate = gate
+        self.budget = budget                 # per-step token alignment (step_budget.py)
+        self.last_budget = 0
+        self.last_dur_ms = cost.fixed_ms       # previous step's duration (the budget's step estimate)
+        self.enq_t = [0.0] * len(self.prompt)   # when a request became schedulable on its rank
         self.batch_gate = gate if isinstance(gate, BatchGate) else None
         self.adp_gate = gate if isinstance(gate, AdpGate) else None
         self.first_t = np.full(len(self.prompt), np.nan)
@@ -198,15 +204,16 @@ class EngineGroup:
         self.delivered = 0
 
     # ------------------------------------------------------------------ inputs
-    def ingest(self, r: int, i: int) -> None:
+    def ingest(self, r: int, i: int, now: float = 0.0) -> None:
         """Request ``i`` is in rank ``r``'s waiting queue (no gate)."""
         self.waiting[r].append(i)
+        self.enq_t[i] = now
         self.outstanding[r] += self.prompt[i] + self.output[i]
         self.waiting_prompt[r] += self.prompt[i]
         self.rank_of[i] = r
         self.delivered += 1
 
-    def deliver(self, asg: Assignment, i: int) -> None:
+    def deliver(self, asg: Assignment, i: int, now: float = 0.0) -> None:
         """An assignment reached rank ``asg.rank``'s inbox (read at the next boundary)."""
         r = asg.rank
         if asg.dispatcher:
@@ -221,7 +228,7 @@ class EngineGroup:
             self.rank_of[i] = r
             self.delivered += 1
         else:
-            self.ingest(r, i)
+            self.ingest(r, i, now)
 
     def next_deadline(self) -> float | None:
         return self.batch_gate.next_deadline() if self.batch_gate is not None else None
@@ -238,6 +245,7 @@ class EngineGroup:
             for r, i in self.batch_gate.release(now):
                 self.held[r] -= 1
                 self.waiting[r].append(i)
+                self.enq_t[i] = now
         dec = self.s_dec
         n_dec = dec.reshape(R, S).sum(axis=1)
         pf_tok = np.zeros(R, dtype=np.int64)
@@ -246,11 +254,8 @@ class EngineGroup:
         prompt, need = self.prompt, self.need
         s_ctx, s_req = self.s_ctx, self.s_req
         B = self.B
-        for r in range(R):
+        def plan_rank(r: int, budget: int):
             wq, pq = self.waiting[r], self.prefilling[r]
-            if not wq and not pq:
-                continue
-            budget = B - int(n_dec[r])
             tok = ctxsum = 0
             cont = []
             for s in pq:
@@ -275,6 +280,32 @@ class EngineGroup:
                     free_n -= 1
                     tok += c
                     ctxsum += c
+            return cont, new, tok, ctxsum
+
+        busy = [r for r in range(R) if self.waiting[r] or self.prefilling[r]]
+        full = {r: plan_rank(r, B - int(n_dec[r])) for r in busy}
+        if self.budget is not None and full:
+            dl = n_dec.tolist()
+            tokens = list(dl)
+            must = list(dl)
+            now_ms = now * 1000.0
+            step_ms = self.last_dur_ms
+            enq = self.enq_t
+            for r, (_, _, tok, _) in full.items():
+                tokens[r] += tok
+                if tok:
+                    pend = [(enq[int(s_req[s])] * 1000.0, prompt[int(s_req[s])] - int(s_ctx[s]))
+                            for s in self.prefilling[r]]
+                    if len(pend) < 64:
+                        pend.extend((enq[i] * 1000.0, prompt[i]) for i in itertools.islice(self.waiting[r], 64))
+                    must[r] = must_tokens(dl[r], pend, now_ms, step_ms, self.budget)
+            T = shared_budget(dl, tokens, must, self.budget)
+            self.last_budget = T
+            for r in busy:
+                if tokens[r] > T:
+                    full[r] = plan_rank(r, T - dl[r])
+        for r in busy:
+            cont, new, tok, ctxsum = full[r]
             if tok:
                 plans.append((r, cont, new))
                 pf_tok[r] = tok
@@ -293,6 +324,7 @@ class EngineGroup:
         div = self.div
         dur = self.cost.step_ms(mx / div if div > 1 else mx, max_ctx / div if div > 1 else max_ctx) / 1000.0
         t_end = now + dur
+        self.last_dur_ms = dur * 1000.0
 
         finished: list[int] = []
         firsts: list[int] = []

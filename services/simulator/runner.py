@@ -16,6 +16,16 @@ from services.simulator.sim import RunResult, SimConfig, resolve_policies, run_i
 
 
 def _with_params(spec: PolicySpec, params: dict[str, Any]) -> PolicySpec:
+    """``KEY=VALUE`` go to the policy's constructor; ``budget.KEY=VALUE`` to the engine's
+    per-step token budget (services/engine_worker/step_budget.py BudgetConfig)."""
+    if not params:
+        return spec
+    bud = {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("budget.")}
+    params = {k: v for k, v in params.items() if not k.startswith("budget.")}
+    if bud:
+        if spec.step_budget is None:
+            raise ValueError(f"{spec.name} runs without a step budget; budget.* params do not apply")
+        spec = dataclasses.replace(spec, step_budget={**spec.step_budget, **bud})
     if not params:
         return spec
     base = spec.factory

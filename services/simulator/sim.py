@@ -37,6 +37,7 @@ from shared.policy.base import RequestInfo
 from services.simulator.baselines import PolicySpec, policy_specs
 from services.simulator.engine_model import AdpGate, BatchGate, EngineConfig, EngineGroup
 from services.simulator.workload import Trace
+from services.engine_worker.step_budget import BudgetConfig
 
 ARRIVE, SCHED, DELIVER, STATS, SNAP, POLL, AGG_TICK = range(7)
 INF = math.inf
@@ -120,7 +121,11 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
     R, N = cfg.ranks, cfg.api_servers
     n = len(trace)
     ranks = list(range(R))
-    eng = EngineGroup(R, cfg.engine, cfg.cost, trace.prompt, trace.output, gate=_make_gate(spec))
+    budget = None
+    if spec.step_budget is not None:
+        budget = BudgetConfig(**{"max_tokens": cfg.engine.max_num_batched_tokens, **spec.step_budget})
+    eng = EngineGroup(R, cfg.engine, cfg.cost, trace.prompt, trace.output, gate=_make_gate(spec),
+                      budget=budget)
     rng = np.random.default_rng(cfg.seed + 7919)
     jit = cfg.jitter_ms / 1000.0
     jitters = rng.uniform(0.0, jit, size=4 * n + 16) if jit > 0 else np.zeros(4 * n + 16)
@@ -205,7 +210,7 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
         elif kind == SCHED:
             dispatch(0, a, t, lat_s2r)
         elif kind == DELIVER:
-            eng.deliver(a, int(a.request_id))
+            eng.deliver(a, int(a.request_id), t)
         elif kind == STATS:
             snap = None
             for st in a:
@@ -323,7 +328,7 @@ def run_ideal(trace: Trace, cfg: SimConfig) -> RunResult:
     t = t_arr[0]
     while eng.done < n:
         while ai < n and t_arr[ai] <= t:
-            eng.ingest(0, ai)
+            eng.ingest(0, ai, t_arr[ai])
             ai += 1
         out = eng.step(t)
         if out is None:
