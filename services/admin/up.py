@@ -42,6 +42,7 @@ class UpOptions:
     log_dir: str | None = None
     log_level: str = "info"
     ready_timeout_s: float = 180.0
+    schedulers: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -100,6 +101,8 @@ class LocalCluster:
         mport = int(env.pop("LOCKSTEP_METRICS_PORT", "") or 0)
         port_env = (lambda n: {"LOCKSTEP_METRICS_PORT": str(mport + n)} if mport else {})
         self._spawn("scheduler", ["scheduler"], {**env, **port_env(0)})
+        for i in range(1, o.schedulers):   # standbys: take the lease when the leader dies
+            self._spawn(f"scheduler-{i}", ["scheduler"], env)
         for i in range(o.ranks):
             self._spawn(f"engine-{i}", ["engine-worker"], {**env, "LOCKSTEP_RANK": str(i), **port_env(1 + i)})
         for i in range(o.api_servers):
