@@ -86,7 +86,7 @@ class SchedulerSettings(Settings):
     ranks: int = field(default=4, metadata={"help": "DP ranks expected in the engine group."})
     read_count: int = field(default=512, metadata={"help": "Requests read per stream round trip."})
     grace_ms: float = field(default=50.0, metadata={"help": "Wait this long for missing ranks before finalizing a step."})
-    snapshot_min_interval_ms: float = field(default=0.0, metadata={"help": "Publish snapshots at most this often."})
+    snapshot_min_interval_ms: float = field(default=5.0, metadata={"help": "Publish snapshots at most this often (newer steps coalesce; at real step times every step is published)."})
     max_wait_ms: float = field(default=0.0, metadata={"help": "Staggered: longest a request is held; 0 = learned (about two steps)."})
     lease_ms: int = field(default=1000, metadata={"help": "Leadership lease (renewed every third of it); a standby takes over after it lapses."})
     metrics_port: int = field(default=0, metadata={"help": "Serve Prometheus metrics (lockstep_*) on this port; 0 = off."})

@@ -45,28 +45,41 @@ async def measure_ttft(url: str, samples: int, model: str = "lockstep-moe") -> l
 
 
 async def measure_rps(url: str, requests: int, concurrency: int, model: str = "lockstep-moe") -> dict[str, Any]:
+    """Keep-alive HTTP/1.1 over raw asyncio streams: a general-purpose client (httpx) spends
+    more CPU per request than the server path being measured, on the same cores."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
     body = orjson.dumps({"model": model, "prompt": "hi", "max_tokens": 1, "ignore_eos": True})
+    wire = (f"POST {parts.path}/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
     lat: list[float] = []
     errors = 0
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(requests):
-        queue.put_nowait(i)
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency,
-                                                                 max_keepalive_connections=concurrency)) as http:
-        async def worker() -> None:
-            nonlocal errors
-            while True:
-                try:
-                    queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
+    left = requests
+
+    async def worker() -> None:
+        nonlocal errors, left
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        try:
+            while left > 0:
+                left -= 1
                 t0 = time.perf_counter()
-                r = await http.post(url + "/completions", content=body, headers={"content-type": "application/json"})
-                if r.status_code != 200:
+                writer.write(wire)
+                head = await reader.readuntil(b"\r\n\r\n")
+                status = int(head[9:12])
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line[:15].lower() == b"content-length:":
+                        length = int(line[15:])
+                await reader.readexactly(length)
+                if status != 200:
                     errors += 1
                 lat.append((time.perf_counter() - t0) * 1000)
+        finally:
+            writer.close()
 
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
+    if True:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     return {"requests": requests, "concurrency": concurrency, "errors": errors, "wall_s": round(wall, 3),

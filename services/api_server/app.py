@@ -131,6 +131,11 @@ def create_app(settings: ApiServerSettings) -> FastAPI:
     @app.get("/metrics")
     async def prom() -> Response:
         gw = state.get("gw")
+        if gw is not None and not gw.client_dispatch:
+            try:
+                await asyncio.wait_for(gw.refresh_snapshot(), 1.0)
+            except Exception:  # noqa: BLE001 - metrics still served, without a fresh view
+                pass
         if gw is not None and gw.policy is not None:
             metrics.observe_policy(gw.policy)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -91,7 +91,10 @@ class Gateway:
             self.policy.set_ranks(list(range(self.num_ranks)))
         self._tasks.append(asyncio.create_task(self._read_outputs()))
         self._tasks.append(asyncio.create_task(self._heartbeat()))
-        if self.client_dispatch or self.metrics is not None:
+        if self.client_dispatch:
+            # Only a replica that picks ranks needs every snapshot; the others read the
+            # latest one when /metrics is scraped (a snapshot per step is a flood at high
+            # step rates).
             self._tasks.append(asyncio.create_task(self._follow_snapshots()))
 
     async def stop(self) -> None:
@@ -247,6 +250,12 @@ class Gateway:
                     self._on_snapshot(msg["data"])
         finally:
             await pubsub.aclose()
+
+    async def refresh_snapshot(self) -> None:
+        """For /metrics in scheduler-dispatch mode: observe the latest published snapshot."""
+        blob = await self.r.hget(self.keys.snapshot, "json")
+        if blob:
+            self._on_snapshot(blob)
 
     def _on_snapshot(self, blob: bytes) -> None:
         snap = Snapshot.from_dict(_loads(blob))
