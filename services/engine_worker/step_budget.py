@@ -15,34 +15,47 @@ reads the same rows.
 
 Inputs per rank ``r`` (one row of the step collective)
 ------------------------------------------------------
-* ``decode[r]``: decode tokens it will compute this step (never held back);
 * ``tokens[r]``: tokens its unconstrained plan would compute (decode + available prefill,
-  ``<= max_num_batched_tokens``; the existing ``F_TOKENS`` column);
-* ``age_ms[r]``: how long its oldest pending prefill (waiting, or admitted and not yet
-  fully prefilled) has been schedulable on the rank, in ms (0 when it has none).
+  ``<= max_num_batched_tokens``): the existing ``F_TOKENS`` column;
+* ``decode[r]``: the decode tokens among them (never held back): new column ``F_DECODE``;
+* ``must[r]``: :func:`must_tokens`, decode + the prefill rate its own deadlines require this
+  step (computed by the rank from its own clock): new column ``F_MUST``.
 
 Rule (``shared_budget``)
 ------------------------
 ``avail[r] = tokens[r] - decode[r]`` (prefill it could do), ``D = max decode``.
 
 1. **Water level.** ``level = q-quantile over ranks of decode[r] + avail[r] / horizon``
-   (``q = spread``; 0 is the minimum). A rank is asked to prefill about ``1/horizon`` of
-   what it has, and no more than what the ``q``-least-loaded rank can match, so every rank
-   at or above the quantile computes exactly ``T``: the step is balanced, and the backlog
-   drains over about ``horizon`` steps while new work joins it.
+   (``q = spread``; 0 is the least loaded rank). When every rank has prefill, every rank
+   computes exactly ``T``: a balanced step that drains the backlog over ~``horizon`` steps.
 2. **Never below the decodes.** ``T >= D``: decodes never wait; below ``D`` the other
    ranks fill up to ``D`` with prefill for free (the step lasts ``D`` anyway).
-3. **Minimum chunk.** ``T >= D + min_chunk`` when some rank has prefill, so a step with
-   prefill always makes some progress (a level of 3 tokens helps nobody).
-4. **Bounded delay.** When some rank's oldest prefill has waited ``age_ms >= max_delay_ms``,
-   ``T`` rises to that rank's full plan (``tokens[r]``): it prefills unconstrained this
-   step, and every other rank fills up to the same ``T`` (the step lasts that long
-   anyway). So no prefill is held longer than ``max_delay_ms`` plus a step by this rule
-   (no starvation, unlike a pure wait-for-everyone gate).
-5. ``T <= max_tokens``.
+3. **Minimum chunk.** ``T >= D + min_chunk`` when some rank has prefill (default 0).
+4. **Deadlines.** ``T >= min(must[r], tokens[r])`` for every rank: a rank whose prefills
+   would otherwise miss ``max_delay_ms`` raises the budget, and every other rank with
+   pending prefill fills up to the same ``T`` (the step lasts that long anyway). So no
+   prefill finishes later than ``max_delay_ms`` after it became schedulable, plus the
+   steps its own size needs at ``max_tokens`` per step (no starvation).
+5. ``1 <= T <= max_tokens``.
 
 Each rank then computes ``allowed(decode[r], tokens[r], T) = min(tokens[r], max(decode[r],
 T))`` tokens: all its decodes and ``min(avail, T - decode)`` prefill tokens.
+
+Live worker integration (one step; the simulator's engine_model does the same)
+------------------------------------------------------------------------------
+1. ``plan = core.schedule(gate)`` as today (unconstrained, ``max_num_batched_tokens``);
+2. ``must = must_tokens(plan.decode_tokens, pending, now_ms, last_step_ms, cfg)`` with
+   ``pending`` = ``(since_ms, seq.pending_prefill())`` for the running sequences still
+   prefilling (admission order), then the waiting ones FCFS that the gate lets through,
+   ``since_ms`` = when the sequence was added to this rank (monotonic ms);
+3. row += ``F_DECODE = plan.decode_tokens``, ``F_MUST = must`` (``F_TOKENS`` unchanged);
+4. exchange; ``T = shared_budget(view.column(F_DECODE), view.column(F_TOKENS),
+   view.column(F_MUST), cfg)`` — the same on every rank;
+5. ``trim_plan(plan, allowed(plan.decode_tokens, plan.num_tokens, T))``, and overwrite the
+   view's ``F_TOKENS`` column with ``allowed_all(...)`` before ``view.action(rank)`` and
+   ``view.max_tokens`` (the sim backend's modeled step), so RUN / IDLE / HOLD follow the
+   budgeted tokens (a rank cut to 0 tokens runs an idle forward);
+6. then the batch gate's ``after_exchange`` and the forward as today.
 
 The budget never changes which sequences run, only how many prefill tokens each computes
 this step: continuing prefills first, then admissions FCFS (the order of the engine's

@@ -27,6 +27,13 @@ Sequences live in flat numpy slot arrays (``ranks × max_num_seqs``), so a decod
 thousands of sequences is a handful of vector operations; only prefill, admission and
 completions run per-request Python.
 
+Per-step token alignment (``budget=BudgetConfig``, lockstep's ``aligned`` policies): after
+each rank's unconstrained plan, the group computes one shared token budget ``T`` from every
+rank's (decode tokens, planned tokens, deadline rate) with
+services/engine_worker/step_budget.py, the code the live worker runs, and each rank whose
+plan exceeds ``T`` re-plans its prefill with ``T - decode`` tokens. Off (None) for every
+baseline.
+
 Gates (engine side, shared by all ranks because the ranks exchange gate state through the
 step's collective; in the simulator it is one object):
 
