@@ -17,7 +17,7 @@ from starlette.responses import Response, StreamingResponse
 from services.api_server.errors import ApiError, error_response
 from services.api_server.gateway import Gateway, RequestChannel
 from services.api_server.metrics import ApiMetrics
-from services.api_server.protocol import ParsedRequest, parse
+from services.api_server.protocol import CHAT_SCHEMA, COMPLETION_SCHEMA, ParsedRequest, openapi_body, parse
 from shared import keys as K
 from shared.bus import connect
 from shared.logging import configure
@@ -319,11 +319,11 @@ def create_app(settings: ApiServerSettings) -> FastAPI:
             else:
                 gw.release(rid)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(COMPLETION_SCHEMA))
     async def completions(request: HttpRequest) -> Response:
         return await handle(request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(CHAT_SCHEMA))
     async def chat(request: HttpRequest) -> Response:
         return await handle(request, "chat")
 

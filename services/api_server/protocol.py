@@ -17,6 +17,40 @@ MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 64
 
 
+_COMMON: dict[str, Any] = {
+    "model": {"type": "string"},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "seed": {"type": "integer"},
+    "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "ignore_eos": {"type": "boolean"},
+    "n": {"type": "integer", "enum": [1]},
+    "data_parallel_rank": {"type": "integer", "minimum": 0},
+    "user": {"type": "string"},
+}
+COMPLETION_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["model", "prompt"],
+    "properties": {**_COMMON, "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
+                   "echo": {"type": "boolean"}, "logprobs": {"type": "null"}},
+}
+CHAT_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["model", "messages"],
+    "properties": {**_COMMON, "max_completion_tokens": {"type": "integer", "minimum": 1},
+                   "messages": {"type": "array", "minItems": 1, "items": {
+                       "type": "object", "required": ["role", "content"],
+                       "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+                                      "content": {"type": "string"}}}}},
+}
+
+
+def openapi_body(schema: dict[str, Any]) -> dict[str, Any]:
+    """``openapi_extra`` for a route whose body this module parses by hand."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     kind: str                      # "completion" | "chat"
