@@ -15,6 +15,7 @@ ENGINE_GROUP = "engine"
 
 # Stream trimming and TTLs. Streams are trimmed approximately (MAXLEN ~), which is cheap.
 OUT_STREAM_MAXLEN = 100_000
+OUT_STREAM_TTL_S = 3_600
 STATS_STREAM_MAXLEN = 20_000
 WAVE_STREAM_MAXLEN = 1_000
 STEP_HASH_TTL_S = 120

@@ -109,6 +109,8 @@ class EngineSettings(Settings):
     collective_timeout_s: float = field(default=10.0, metadata={"help": "A collective that takes longer means a rank died."})
     group_host: str = field(default="127.0.0.1", metadata={"help": "Address other ranks reach this one at (engine-group rendezvous)."})
     seed: int = field(default=0, metadata={"help": "Model weight seed (identical on every rank)."})
+    align_tokens: bool = field(default=False, metadata={"help": "Per-step token alignment: every rank caps its prefill at one shared budget (docs/benchmarks.md); applied when every rank has it."})
+    align_max_delay_ms: float = field(default=300.0, metadata={"help": "Token alignment: longest a prefill may be spread out after it reached its rank."})
     gate_timeout_ms: float = field(default=100.0, metadata={"help": "Staggered batches: rank 0 releases a batch whose shares did not all arrive within this."})
     metrics_port: int = field(default=0, metadata={"help": "Serve Prometheus metrics (lockstep_engine_*) on this port; 0 = off."})
 

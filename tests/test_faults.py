@@ -230,12 +230,63 @@ def test_leader_scheduler_killed_during_burst(tmp_path):
         assert r.get(keys.leader) not in (None, old_leader)
         # Exactly once: in the raw output stream no request has any token position twice.
         seen: dict[str, set[int]] = {}
-        for _, fields in r.xrange(keys.out("api0")):
+        entries = [e for stream in r.scan_iter(keys.out("*")) for e in r.xrange(stream)]
+        for _, fields in entries:
             for d in json.loads(fields[b"d"]).get("ds", []):
                 pos = seen.setdefault(d["id"], set())
                 for k in range(d["o"], d["o"] + len(d["t"])):
                     assert k not in pos, f"{d['id']} position {k} generated twice"
                     pos.add(k)
         assert len(seen) == 200
+    finally:
+        cluster.stop()
+
+
+def test_api_server_death_aborts_its_requests_on_the_engines(tmp_path):
+    """SIGKILL the api-server of a long request: the engine aborts it (no reader for its
+    tokens) instead of generating to the end, and records why."""
+    import json
+    import signal
+    import threading
+
+    import httpx
+    import redis
+
+    from shared.keys import Keys
+
+    cluster = start_cluster(tmp_path, "--ranks", "1", "--api-servers", "1", "--backend", "sim")
+    try:
+        r = redis.Redis.from_url(cluster.redis_url)
+        keys = Keys(cluster.namespace)
+        api_pid = int(os.popen(f"pgrep -f 'services.admin.cli api-server' -P {cluster.proc.pid}").read().split()[0])
+
+        def long_request() -> None:
+            try:
+                httpx.post(cluster.api_url + "/completions", timeout=60,
+                           json={"model": MODEL, "prompt": "orphan", "max_tokens": 4000, "ignore_eos": True})
+            except httpx.HTTPError:
+                pass   # its server is killed under it
+
+        t = threading.Thread(target=long_request, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            stats = r.hget(keys.rank_info(0), "stats")
+            if stats and json.loads(stats)["running"] == 1:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the request never started")
+        os.kill(api_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            recs = [r.hgetall(k) for k in r.scan_iter(keys.req("*"))]
+            done = [x for x in recs if x.get(b"finish") == b"abort"]
+            if done:
+                assert int(done[0][b"tokens"]) < 4000
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the engine kept running a request nobody reads")
     finally:
         cluster.stop()

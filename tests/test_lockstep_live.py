@@ -291,9 +291,11 @@ async def test_kv_exhaustion_preempts_and_recovers_exactly(tiny_kv_cluster: Clus
         # What the engines wrote (before the api-server's dedupe): per request, deltas at
         # contiguous positions, never a token twice, exactly max_tokens, one finish.
         seen: dict[str, list[tuple[int, int, str | None]]] = defaultdict(list)
-        for _, fields in await r.xrange(keys.out("api0")):
-            for d in orjson.loads(fields[FIELD])["ds"]:
-                seen[d["id"]].append((d["o"], len(d["t"]), d.get("f")))
+        streams = [k async for k in r.scan_iter(keys.out("*"))]
+        for stream in streams:
+            for _, fields in await r.xrange(stream):
+                for d in orjson.loads(fields[FIELD]).get("ds", []):
+                    seen[d["id"]].append((d["o"], len(d["t"]), d.get("f")))
         ids = {res[0] for res in results}
         assert ids <= set(seen)
         for rid in ids:

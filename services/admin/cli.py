@@ -45,6 +45,9 @@ def up(
     max_wait_ms: Optional[float] = typer.Option(None, "--max-wait-ms", min=0.0,
                                                 help="staggered: longest a request is held before its batch goes out "
                                                      "(LOCKSTEP_MAX_WAIT_MS; default: learned, about two steps)."),
+    align_tokens: bool = typer.Option(False, "--align-tokens",
+                                      help="Per-step token alignment across ranks (caps each rank's prefill "
+                                           "at one shared budget; see docs/benchmarks.md)."),
     schedulers: int = typer.Option(1, "--schedulers", min=1,
                                    help="Scheduler processes: one leads, the others stand by and take over."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
@@ -65,7 +68,8 @@ def up(
     opts = UpOptions(ranks=ranks, api_servers=api_servers, port=port, host=host, backend=backend, policy=policy,
                      dispatch=dispatch, namespace=namespace, redis_url=redis_url, persist_dir=persist,
                      time_scale=time_scale, log_level=log_level, schedulers=schedulers,
-                     extra_env={"LOCKSTEP_MAX_WAIT_MS": f"{max_wait_ms:g}"} if max_wait_ms is not None else {})
+                     extra_env={**({"LOCKSTEP_MAX_WAIT_MS": f"{max_wait_ms:g}"} if max_wait_ms is not None else {}),
+                                **({"LOCKSTEP_ALIGN_TOKENS": "1"} if align_tokens else {})})
     cluster = LocalCluster(opts, out=lambda m: typer.echo(m, err=True))
     typer.echo(f"lockstep: starting {ranks} {backend} ranks and {api_servers} api-servers...", err=True)
     try:

@@ -65,7 +65,9 @@ class BodyLimit:
 
 
 def create_app(settings: ApiServerSettings) -> FastAPI:
-    api_id = settings.api_id or uuid.uuid4().hex[:8]
+    # One id per process incarnation: a restarted replica must not inherit the requests of
+    # the one that died (engines abort those when its heartbeat stops).
+    api_id = f"{settings.api_id or 'api'}-{uuid.uuid4().hex[:6]}"
     log = configure("api-server", settings.log_level, api=api_id)
     metrics = ApiMetrics()
     keys = K.Keys(settings.namespace)
@@ -175,6 +177,8 @@ def create_app(settings: ApiServerSettings) -> FastAPI:
         now = time.time()
         req = Request(id=rid, api=api_id, prompt=p.prompt, params=p.params, arrival=now, rank=p.rank)
         metrics.prompt_tokens.inc(len(p.prompt))
+        log.debug("request_accepted", request_id=rid, prompt_tokens=len(p.prompt), max_tokens=p.params.max_tokens,
+                  stream=p.stream, rank=p.rank)
         ch = gw.submit(req)
         created = int(now)
         if p.stream:

@@ -101,6 +101,10 @@ class Gateway:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:   # nobody will read this replica's stream again
+            await self.r.delete(self.keys.out(self.api_id), self.keys.api_alive(self.api_id))
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
         for ch in self.channels.values():
             ch.fail("the api-server is shutting down")
 

@@ -24,7 +24,10 @@ F_GATE = 3           # staggered batches: highest batch whose share fully arrive
 F_GATE_HELD = 4      # oldest batch whose prefill this rank still holds (0 = none)
 F_RELEASE = 5        # rank 0 only: release held batches up to this one (shared timeout)
 F_STOP = 6           # rank is shutting down: the group must stop together
-FIELDS = 7
+F_DECODE = 7         # token alignment: decode tokens among F_TOKENS (never held back)
+F_MUST = 8           # token alignment: tokens this rank's prefill deadlines need this step
+F_ALIGN = 9          # token alignment enabled here (applied only when every rank has it)
+FIELDS = 10
 
 
 class Action(Enum):
@@ -56,6 +59,10 @@ class StepView:
     def column(self, field: int) -> list[int]:
         return [r[field] for r in self.rows]
 
+    def set_column(self, field: int, values: list[int]) -> None:
+        for row, v in zip(self.rows, values):
+            row[field] = v
+
     def action(self, rank: int) -> Action:
         if any(r[F_STOP] for r in self.rows):
             return Action.STOP
@@ -85,6 +92,8 @@ class LockstepGroup:
 
     def exchange(self, row: list[int]) -> StepView:
         """Blocking: every rank calls this once per step with its own row."""
+        if len(row) != FIELDS:   # a local bug, not a group failure: must not look like one
+            raise ValueError(f"step row has {len(row)} fields, expected {FIELDS}")
         self._buf.zero_()
         self._buf[self.rank] = torch.tensor(row, dtype=torch.int64)
         if self.world_size > 1:

@@ -31,7 +31,9 @@ from shared.settings import EngineSettings
 from shared.stats import RankStats
 from services.engine_worker.block_manager import BlockManager
 from services.engine_worker.batch_gate import BatchGate, batch_number
-from services.engine_worker.lockstep import F_GATE, F_GATE_HELD, F_RELEASE, Action, LockstepGroup, StepView
+from services.engine_worker.lockstep import (F_ALIGN, F_DECODE, F_GATE, F_GATE_HELD, F_MUST, F_RELEASE, F_TOKENS,
+                                             Action, LockstepGroup, StepView)
+from services.engine_worker.step_budget import BudgetConfig, allowed, allowed_all, must_tokens, shared_budget, trim_plan
 from services.engine_worker.scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
 
@@ -70,6 +72,9 @@ class EngineWorker:
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len)
         self.gate = BatchGate(rank=max(0, settings.rank), timeout_s=settings.gate_timeout_ms / 1000)
+        self.budget = BudgetConfig(max_tokens=settings.max_num_batched_tokens,
+                                   max_delay_ms=settings.align_max_delay_ms)
+        self.since_ms: dict[str, float] = {}      # when each sequence reached this rank (alignment deadlines)
         self.prompts: dict[str, list[int]] = {}
         self.ignore_eos: dict[str, bool] = {}
         self._acks: list[bytes] = []              # inbox entries to ack in the next round trip
@@ -151,10 +156,27 @@ class EngineWorker:
                 # Identity too, so a restarted (empty) Redis learns it again within a beat.
                 pipe.hset(self.keys.rank_info(self.rank), mapping={
                     "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend, "token": self.token})
-                await pipe.execute()
+                # Whose requests run here: an api-server that stopped beating has no reader
+                # for their tokens, so they are aborted instead of running to the end.
+                apis = sorted({q.api for q in (*self.core.running, *self.core.waiting)})
+                for api in apis:
+                    pipe.exists(self.keys.api_alive(api))
+                res = await pipe.execute()
+                dead = {api for api, alive in zip(apis, res[2:]) if not alive}
+                if dead:
+                    self._abort_owned_by(dead)
             except Exception as exc:  # noqa: BLE001 - keep beating through blips
                 self.log.warning("heartbeat_failed", error=str(exc))
             await asyncio.sleep(self.s.heartbeat_ms / 1000)
+
+    def _abort_owned_by(self, dead_apis: set[str]) -> None:
+        ids = [q.id for q in (*self.core.running, *self.core.waiting) if q.api in dead_apis]
+        for sid in ids:
+            seq = self.core.abort(sid, time.time())
+            if seq is not None:
+                self._aborted.append(seq)
+        if ids:
+            self.log.warning("aborted_requests_of_dead_api_server", apis=sorted(dead_apis), n=len(ids))
 
     async def _prepare_streams(self) -> None:
         inbox = self.keys.inbox(self.rank)
@@ -261,7 +283,8 @@ class EngineWorker:
             plan = self.core.schedule(self.gate.may_prefill if self.gate.counts else None)
             complete, oldest_held, release = self.gate.row()
             row = [int(self.core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
-                   release, int(self.stopping.is_set())]
+                   release, int(self.stopping.is_set()), plan.decode_tokens, self._must_tokens(plan),
+                   int(self.s.align_tokens)]
             if self._reform_requested:
                 self._reform_requested = False
                 await self._reform("a replacement rank joined")
@@ -272,6 +295,8 @@ class EngineWorker:
                 await self._reform(f"step collective failed: {str(exc)[:160]}")
                 continue
             self.exchange_s += time.perf_counter() - tx
+            if all(view.column(F_ALIGN)):
+                self._align(plan, view)
             released = 0
             if self.gate.counts or any(view.column(F_GATE_HELD)):
                 released = self.gate.after_exchange(view.column(F_GATE), view.column(F_GATE_HELD), view.rows[0][F_RELEASE],
@@ -303,6 +328,24 @@ class EngineWorker:
             dur_ms = (time.perf_counter() - t0) * 1000
             await self._publish(plan, outputs, action, dur_ms)
             self.step += 1
+
+    def _must_tokens(self, plan: Any) -> int:
+        """Tokens this rank's prefill deadlines need this step (token alignment)."""
+        if not self.s.align_tokens:
+            return 0
+        now_ms = time.monotonic() * 1000
+        pending = [(self.since_ms.get(q.id, now_ms), q.pending_prefill()) for q in self.core.running if q.is_prefilling]
+        pending += [(self.since_ms.get(q.id, now_ms), q.pending_prefill()) for q in self.core.waiting if not q.held]
+        return must_tokens(plan.decode_tokens, pending, now_ms, 0.0, self.budget)
+
+    def _align(self, plan: Any, view: StepView) -> None:
+        """Per-step token alignment: every rank computes the same budget from the same rows
+        and caps its prefill at it, so a big prefill spreads over steps in which the other
+        ranks compute about as much (services/engine_worker/step_budget.py)."""
+        decode, tokens = view.column(F_DECODE), view.column(F_TOKENS)
+        budget = shared_budget(decode, tokens, view.column(F_MUST), self.budget)
+        trim_plan(plan, allowed(plan.decode_tokens, plan.num_tokens, budget))
+        view.set_column(F_TOKENS, allowed_all(decode, tokens, budget))
 
     async def _forward(self, plan: Any, action: Action, view: StepView) -> dict[str, int]:
         t0 = time.perf_counter()
@@ -336,6 +379,9 @@ class EngineWorker:
                 self.entry_of[req.id] = eid
                 self.prompts[req.id] = req.prompt
                 self.ignore_eos[req.id] = req.params.ignore_eos
+                self.since_ms[req.id] = time.monotonic() * 1000
+                self.log.debug("request_admitted", request_id=req.id, wave=self.wave, step=self.step,
+                               prompt_tokens=len(req.prompt), resumed_at=len(req.generated))
                 rejected = self.core.add(seq, time.time())
                 if rejected is not None:      # can never run here, or nothing left to generate
                     self._early.append(rejected)
@@ -408,6 +454,8 @@ class EngineWorker:
             if out.finish_reason is not None:
                 finished += 1
                 acks.append(self._forget(seq.id))
+                self.log.debug("request_finished", request_id=seq.id, wave=self.wave, step=self.step,
+                               finish=out.finish_reason, tokens=len(seq.generated))
                 pipe.hset(self.keys.req(seq.id), mapping={
                     "state": "finished", "finish": out.finish_reason, "rank": self.rank,
                     "tokens": len(seq.generated), "t_finished": now})
@@ -422,6 +470,7 @@ class EngineWorker:
             pipe.expire(self.keys.req(seq.id), K.REQ_HASH_TTL_S)
         for api, deltas in by_api.items():
             pipe.xadd(self.keys.out(api), {FIELD: encode_deltas(deltas)}, maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
+            pipe.expire(self.keys.out(api), K.OUT_STREAM_TTL_S)   # gone an hour after its replica
         acks = [a for a in acks if a]
         if acks:
             pipe.xack(self.keys.inbox(self.rank), K.ENGINE_GROUP, *acks)
@@ -454,6 +503,7 @@ class EngineWorker:
 
     def _forget(self, seq_id: str) -> bytes | None:
         self.prompts.pop(seq_id, None)
+        self.since_ms.pop(seq_id, None)
         self.ignore_eos.pop(seq_id, None)
         free = getattr(self.backend, "free_seq", None)
         if free is not None:
