@@ -13,8 +13,11 @@ STAMP="$VENV/.lockstep-installed"
 WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)-${LOCKSTEP_EXTRAS:-test,plot}"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "lockstep: installing into $VENV (first run or dependencies changed)..." >&2
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip >&2
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[${LOCKSTEP_EXTRAS:-test,plot}]" >&2
+  # (grep drops pip's notes about index locations this machine's pip.conf names but lacks)
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[${LOCKSTEP_EXTRAS:-test,plot}]" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; } >&2
   echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

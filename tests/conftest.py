@@ -59,6 +59,22 @@ class Cluster:
 
 
 def start_cluster(tmp_path: Path, *args: str, namespace: str = "ls", timeout: float = 180) -> Cluster:
+    """`lockstep up` as a subprocess on a free port. A port picked free can be taken by
+    another process before the api-servers bind it: then start again on another one."""
+    for attempt in range(3):
+        try:
+            return _start_cluster(tmp_path, *args, namespace=namespace, timeout=timeout)
+        except PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(AssertionError):
+    pass
+
+
+def _start_cluster(tmp_path: Path, *args: str, namespace: str, timeout: float) -> Cluster:
     port = free_port()
     state_dir = str(tmp_path / "state")
     env = {**os.environ, "LOCKSTEP_STATE_DIR": state_dir, "PYTHONUNBUFFERED": "1"}
@@ -77,6 +93,8 @@ def start_cluster(tmp_path: Path, *args: str, namespace: str = "ls", timeout: fl
         if redis_url:
             break
         if proc.poll() is not None:
+            if "Address already in use" in text:
+                raise PortTaken(text)
             raise AssertionError(f"`lockstep up` exited with {proc.returncode}:\n{text}")
         time.sleep(0.2)
     else:

@@ -13,7 +13,8 @@ from tests.conftest import start_cluster
 
 pytestmark = pytest.mark.slow
 
-JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=False),
+JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12),
+                      st.floats(allow_nan=False, allow_infinity=False),
                       st.text(max_size=40))
 ANY_JSON = st.recursive(JSON_LEAF, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                            st.dictionaries(st.text(max_size=8), inner, max_size=4)),
@@ -32,7 +33,8 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     if t == "integer":
         return st.integers(schema.get("minimum", -5), schema.get("maximum", 5000))
     if t == "number":
-        return st.floats(schema.get("minimum", -1.0), schema.get("maximum", 3.0), allow_nan=False)
+        return st.floats(schema.get("minimum", -1.0), schema.get("maximum", 3.0), allow_nan=False,
+                         allow_infinity=False)
     if t == "boolean":
         return st.booleans()
     if t == "null":

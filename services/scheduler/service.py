@@ -57,6 +57,7 @@ class SchedulerService:
         self.last_snapshot: Snapshot | None = None
         self._redis_trouble = False
         self._next_orphan_scan = 0.0
+        self.ever_alive: set[int] = set()   # ranks seen alive: only those can have died
 
     async def run(self) -> int:
         try:
@@ -370,6 +371,7 @@ class SchedulerService:
         pipe.smembers(self.keys.drained)
         res = await pipe.execute()
         live = [r for r, alive in zip(self.ranks, res[:-1]) if alive]
+        self.ever_alive.update(live)
         drained = {int(x) for x in res[-1]}
         if live != self.live or drained != self.drained:
             self.log.info("ranks_changed", live=live, drained=sorted(drained))
@@ -451,8 +453,9 @@ class SchedulerService:
                         self._collect_resumes(claimed, by_api)
                         await self.r.xack(inbox, K.ENGINE_GROUP, *ids)
                 await self.r.xgroup_delconsumer(inbox, K.ENGINE_GROUP, name)
-            if not alive:
-                # Work queued for a rank that stays dead: never delivered, resume it too.
+            if not alive and r in self.ever_alive:
+                # Work queued for a rank that died and stays dead: never delivered, resume it
+                # too. (A rank still starting up has not died: its queue waits for it.)
                 resp = await self.r.xreadgroup(K.ENGINE_GROUP, "recovery", {inbox: ">"}, count=10_000)
                 entries = [(eid, fields) for _, batch in (resp or []) for eid, fields in batch]
                 if entries:
