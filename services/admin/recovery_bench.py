@@ -24,7 +24,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import openai
 
 from shared.redis_server import free_port
 
@@ -43,26 +42,39 @@ def _start(ranks: int, state: str, port: int) -> subprocess.Popen:
 
 
 async def _run(url: str, n: int, tokens: int, victim: int | None) -> dict[str, Any]:
-    client = openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=300)
+    """Streams over raw HTTP/1.1 connections: a general-purpose client with 200 streams in
+    one process stalls on its own (seconds), which would be mistaken for the server's."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
     started: set[int] = set()
     go = asyncio.Event()
     kill_t = 0.0
 
     async def one(i: int) -> dict[str, Any]:
+        body = json.dumps({"model": "lockstep-moe", "prompt": f"recovery {i}", "max_tokens": tokens, "seed": i,
+                           "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}).encode()
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
         t0 = time.monotonic()
+        writer.write(f"POST {parts.path}/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         times: list[float] = []
         count = 0
-        stream = await client.completions.create(model="lockstep-moe", prompt=f"recovery {i}", max_tokens=tokens,
-                                                 seed=i, stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True})
-        async for c in stream:
-            if c.choices and c.choices[0].text:
+        while True:
+            line = await reader.readline()
+            if not line or line.startswith(b"data: [DONE]"):
+                break
+            if not line.startswith(b"data: {"):
+                continue
+            doc = json.loads(line[6:])
+            if doc.get("usage"):
+                count = doc["usage"]["completion_tokens"]
+            if doc.get("choices") and doc["choices"][0].get("text"):
                 times.append(time.monotonic())
                 started.add(i)
                 if len(started) >= n * 3 // 4:
                     go.set()
-            if c.usage:
-                count = c.usage.completion_tokens
+        writer.close()
         gaps = [b - a for a, b in zip(times, times[1:])]
         return {"ttft": times[0] - t0 if times else None, "max_gap": max(gaps, default=0.0), "tokens": count,
                 "end": times[-1] if times else t0}

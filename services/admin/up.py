@@ -167,8 +167,27 @@ class LocalCluster:
         c.restarts = [t for t in c.restarts if now - t < 60] + [now]
         if len(c.restarts) > MAX_RESTARTS_PER_MIN:
             return False
+        if c.role.startswith("engine-"):
+            dead_pid = c.proc.pid
+            try:
+                asyncio.run(self._release_rank(int(c.env["LOCKSTEP_RANK"]), dead_pid))
+            except Exception:  # noqa: BLE001 - the heartbeat TTL frees the slot anyway
+                pass
         c.proc = self._popen(c.args, c.env, c.log)
         return True
+
+    async def _release_rank(self, rank: int, dead_pid: int) -> None:
+        """The supervisor saw the rank's process die: free its slot now instead of waiting
+        for the heartbeat to lapse, so the scheduler resumes its requests and the
+        replacement claims the slot at once (without a supervisor the TTL does this)."""
+        k = K.Keys(self.o.namespace)
+        r = connect(self.url, timeout_s=2.0)
+        try:
+            info = await r.hgetall(k.rank_info(rank))
+            if int(info.get(b"pid", 0) or 0) == dead_pid and await r.get(k.rank_alive(rank)) == info.get(b"token"):
+                await r.delete(k.rank_alive(rank))
+        finally:
+            await r.aclose()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.o.ready_timeout_s
