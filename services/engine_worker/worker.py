@@ -543,12 +543,13 @@ class EngineWorker:
                     woke = woke_by_me = True
             if woke:
                 break
-        # One round trip: announce the new wave (when this rank saw the work first) and
-        # take this rank's inbox entries.
+        # One round trip: announce the new wave (this rank saw the work first) and take
+        # this rank's inbox entries.
+        if not (woke_by_me or self.stopping.is_set()):
+            return   # woken by another rank: nothing new here (the next step's round trip reads the inbox)
         pipe = Recorder()
-        if woke_by_me or self.stopping.is_set():
-            pipe.xadd(self.keys.wave, {FIELD: dumps({"w": self.wave, "r": self.rank})},
-                      maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
+        pipe.xadd(self.keys.wave, {FIELD: dumps({"w": self.wave, "r": self.rank})},
+                  maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
         pipe.xreadgroup(K.ENGINE_GROUP, self.consumer, {inbox: self._read_from()},
                         count=max(1, self.s.max_num_seqs * 2))
         self._take_fetched((await self._execute(pipe))[-1])
