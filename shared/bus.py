@@ -158,36 +158,16 @@ async def execute_recorded(r: aioredis.Redis, rec: Recorder, *, log: Any = None,
                            on_retry: Callable[[], Awaitable[None]] | None = None,
                            give_up_s: float | None = None) -> list[Any]:
     """Run the recorded commands in one pipelined round trip; on a connection error back
-    off and replay them (the commands are written to be safe to repeat: readers dedupe by
-    request id and token position). ``on_retry`` runs before each replay (e.g. to recreate
-    consumer groups lost with a restarted server)."""
-    backoff = Backoff()
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    while True:
+    off and replay them on a fresh pipeline (the commands are written to be safe to repeat:
+    readers dedupe by request id and token position). ``on_retry`` runs before each replay
+    (e.g. to recreate consumer groups lost with a restarted server)."""
+    async def once() -> list[Any]:
         pipe = r.pipeline(transaction=False)
         for name, args, kwargs in rec.ops:
             getattr(pipe, name)(*args, **kwargs)
-        try:
-            result = await pipe.execute()
-            if backoff.attempt and log is not None:
-                log.info("redis_reconnected", what=what, attempts=backoff.attempt)
-            return result
-        except (ResponseError, *TRANSIENT) as exc:
-            if isinstance(exc, ResponseError) and "NOGROUP" not in str(exc):
-                raise
-            if give_up_s is not None and loop.time() - started > give_up_s:
-                raise
-            delay = backoff.next_delay()
-            if log is not None and (backoff.attempt in (1, 2, 4, 8) or backoff.attempt % 32 == 0):
-                log.warning("redis_unavailable", what=what, error=str(exc), retry_in_s=round(delay, 3),
-                            attempt=backoff.attempt)
-            await asyncio.sleep(delay)
-            if on_retry is not None:
-                try:
-                    await on_retry()
-                except (ResponseError, *TRANSIENT):
-                    pass
+        return await pipe.execute()
+
+    return await retrying(once, log=log, what=what, on_retry=on_retry, give_up_s=give_up_s)
 
 
 async def server_run_id(r: aioredis.Redis) -> str:

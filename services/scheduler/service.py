@@ -19,9 +19,7 @@ from collections import OrderedDict
 from typing import Any
 
 from shared import keys as K
-from redis.exceptions import ResponseError
-
-from shared.bus import TRANSIENT, Backoff, RedisUnreachable, check_reachable, connect, decode_entries, ensure_group
+from shared.bus import RedisUnreachable, check_reachable, connect, decode_entries, ensure_group, retrying
 from shared.logging import configure
 from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
 from shared.policy.aggregator import StepAggregator
@@ -95,22 +93,13 @@ class SchedulerService:
         return 0
 
     async def _resilient(self, what: str, iteration: Any) -> None:
-        """Run one loop's iterations forever; ride out Redis outages with backoff."""
-        backoff = Backoff()
+        """Run one loop's iterations forever; ride out Redis outages with backoff (and
+        remember the outage: the request loop then re-takes what it read but did not ack)."""
+        async def note_trouble() -> None:
+            self._redis_trouble = True
+
         while True:
-            try:
-                await iteration()
-                if backoff.attempt:
-                    self.log.info("redis_reconnected", what=what, attempts=backoff.attempt)
-                    backoff.reset()
-            except (ResponseError, *TRANSIENT) as exc:
-                if isinstance(exc, ResponseError) and "NOGROUP" not in str(exc):
-                    raise
-                delay = backoff.next_delay()
-                if backoff.attempt in (1, 2, 4, 8) or backoff.attempt % 32 == 0:
-                    self.log.warning("redis_unavailable", what=what, error=str(exc), retry_in_s=round(delay, 3))
-                await asyncio.sleep(delay)
-                self._redis_trouble = True
+            await retrying(iteration, log=self.log, what=what, on_retry=note_trouble)
 
     # ------------------------------------------------------------------ leadership
     async def _become_leader(self) -> bool:
