@@ -165,6 +165,26 @@ def _register_optional() -> None:
 
 _register_optional()
 
+# Group `lockstep --help` by what people come for.
+_PANELS = {
+    "Run and watch": ("up", "status", "watch"),
+    "Inspect and steer": ("steps", "request", "drain", "resume", "config", "init"),
+    "Measure": ("bench", "simulate"),
+    "Services (what `up` and compose start)": ("api-server", "scheduler", "engine-worker"),
+}
+_ORDER = [n for names in _PANELS.values() for n in names]
+
+
+def _cmd_name(cmd) -> str:  # type: ignore[no-untyped-def]
+    return cmd.name or (cmd.callback.__name__.replace("_", "-") if cmd.callback else "")
+
+
+for _cmd in app.registered_commands:
+    for _panel, _names in _PANELS.items():
+        if _cmd_name(_cmd) in _names:
+            _cmd.rich_help_panel = _panel
+app.registered_commands.sort(key=lambda c: _ORDER.index(_cmd_name(c)) if _cmd_name(c) in _ORDER else len(_ORDER))
+
 
 def main() -> None:
     app()

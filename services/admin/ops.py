@@ -404,8 +404,7 @@ def config_cmd(service: Optional[str] = typer.Option(None, "--service", "-s",
 
 # ----------------------------------------------------------------------------- init
 def init_cmd(namespace: str = NS_OPT, redis_url: Optional[str] = URL_OPT, json: bool = JSON_OPT) -> None:
-    """Write the cluster record (<ns>:cluster) from LOCKSTEP_* settings, for clusters whose
-    services are started one by one (compose.yaml runs this first); `lockstep up` does it itself."""
+    """Write the cluster record (<ns>:cluster) from LOCKSTEP_* settings (for services started one by one, as in compose)."""
     import os
 
     from shared import settings as S
