@@ -89,6 +89,12 @@ def decode_entries(resp: Any) -> list[tuple[bytes, bytes, dict[str, Any]]]:
     return out
 
 
+def entry_id_key(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id ('ms-seq') as a sortable tuple."""
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
 class Backoff:
     """Exponential backoff with full jitter, for reconnect loops."""
 

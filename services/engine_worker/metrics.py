@@ -9,7 +9,7 @@ prometheus_client's thread and only read plain numbers and the last (immutable) 
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric

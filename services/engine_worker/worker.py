@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 import uuid
 from collections import defaultdict
@@ -22,35 +21,26 @@ from typing import Any
 
 from shared import keys as K
 from shared.bus import (RedisUnreachable, Recorder, check_reachable, connect, decode_entries, ensure_group,
-                        execute_recorded, retrying)
+                        entry_id_key, execute_recorded, retrying)
 from shared.cost_model import CostModel
 from shared.logging import configure
 from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
-from shared.redis_server import free_port
 from shared.settings import EngineSettings
 from shared.stats import RankStats
 from services.engine_worker.block_manager import BlockManager
+from services.engine_worker.membership import ClaimFailed, GroupMembership
 from services.engine_worker.batch_gate import BatchGate, batch_number
 from services.engine_worker.lockstep import (F_ALIGN, F_DECODE, F_GATE, F_GATE_HELD, F_MUST, F_RELEASE, F_TOKENS,
-                                             Action, LockstepGroup, StepView)
+                                             Action, StepView)
 from services.engine_worker.step_budget import BudgetConfig, allowed, allowed_all, must_tokens, shared_budget, trim_plan
 from services.engine_worker.scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
 
 
-def _id_key(entry_id: bytes | str) -> tuple[int, int]:
-    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
-    return int(ms), int(seq or 0)
-
-
 HOLD_POLL_MS = 2   # while every rank only has gated prefills: meet again this often (bounded by the gate timeout)
 
 
-class ClaimFailed(RuntimeError):
-    pass
-
-
-class EngineWorker:
+class EngineWorker(GroupMembership):
     def __init__(self, settings: EngineSettings) -> None:
         self.s = settings
         self.keys = K.Keys(settings.namespace)
@@ -133,148 +123,6 @@ class EngineWorker:
                                     self.s.num_kv_blocks, self.s.block_size, device=self.s.device)
         from services.engine_worker.sim_backend import SimBackend
         return SimBackend()
-
-    async def _claim_rank(self) -> int:
-        """Take a rank slot with SET NX PX: the first free one, or the one asked for."""
-        ttl = self.s.heartbeat_ms * 3
-        wanted = [self.rank] if self.rank >= 0 else list(range(self.s.ranks))
-        deadline = time.monotonic() + max(10.0, ttl / 1000 * 2)
-        while time.monotonic() < deadline:
-            for r in wanted:
-                if await self.r.set(self.keys.rank_alive(r), self.token, nx=True, px=ttl):
-                    return r
-            await asyncio.sleep(ttl / 1000 / 4)   # a dead rank's key lapses within ttl
-        raise ClaimFailed(f"no free rank slot among {wanted} in namespace {self.s.namespace!r}; "
-                          f"are {self.s.ranks} engine-workers already running?")
-
-    async def _heartbeat(self) -> None:
-        ttl = self.s.heartbeat_ms * 3
-        while True:
-            try:
-                pipe = self.r.pipeline(transaction=False)
-                pipe.set(self.keys.rank_alive(self.rank), self.token, px=ttl)
-                # Identity too, so a restarted (empty) Redis learns it again within a beat.
-                pipe.hset(self.keys.rank_info(self.rank), mapping={
-                    "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend, "token": self.token})
-                # Whose requests run here: an api-server that stopped beating has no reader
-                # for their tokens, so they are aborted instead of running to the end.
-                apis = sorted({q.api for q in (*self.core.running, *self.core.waiting)})
-                for api in apis:
-                    pipe.exists(self.keys.api_alive(api))
-                res = await pipe.execute()
-                dead = {api for api, alive in zip(apis, res[2:]) if not alive}
-                if dead:
-                    self._abort_owned_by(dead)
-            except Exception as exc:  # noqa: BLE001 - keep beating through blips
-                self.log.warning("heartbeat_failed", error=str(exc))
-            await asyncio.sleep(self.s.heartbeat_ms / 1000)
-
-    def _abort_owned_by(self, dead_apis: set[str]) -> None:
-        ids = [q.id for q in (*self.core.running, *self.core.waiting) if q.api in dead_apis]
-        for sid in ids:
-            seq = self.core.abort(sid, time.time())
-            if seq is not None:
-                self._aborted.append(seq)
-        if ids:
-            self.log.warning("aborted_requests_of_dead_api_server", apis=sorted(dead_apis), n=len(ids))
-
-    async def _prepare_streams(self) -> None:
-        inbox = self.keys.inbox(self.rank)
-        await ensure_group(self.r, inbox, K.ENGINE_GROUP, "0")
-        groups = await self.r.xinfo_groups(inbox)
-        for g in groups:
-            g = {(k.decode() if isinstance(k, bytes) else k): v for k, v in g.items()}
-            if g["name"] in (K.ENGINE_GROUP, K.ENGINE_GROUP.encode()):
-                self.inbox_last = g["last-delivered-id"]
-        last = await self.r.xrevrange(self.keys.wave, count=1)
-        if last:
-            self.wave_last = last[0][0]
-        await self.r.hset(self.keys.rank_info(self.rank), mapping={
-            "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend,
-            "started": time.time(), "token": self.token, "consumer": self.consumer})
-
-    async def _rendezvous(self) -> tuple[str, int]:
-        """Rank 0 publishes where the group meets, with a generation one above the last;
-        the others wait (bounded) for a generation newer than the one they were in."""
-        if self.s.ranks == 1:
-            return self.s.group_host, 0
-        if self.rank == 0:
-            old = await self.r.hget(self.keys.dist, "gen")
-            self.gen = max(self.gen, int(old or 0)) + 1
-            port = free_port()
-            await self.r.hset(self.keys.dist, mapping={
-                "addr": self.s.group_host, "port": port, "world": self.s.ranks, "token": self.token, "t": time.time(),
-                "gen": self.gen, "formed": 0})
-            return self.s.group_host, port
-        deadline = time.monotonic() + max(self.s.collective_timeout_s, 60.0)
-        while time.monotonic() < deadline and not self.stopping.is_set():
-            d = await self.r.hgetall(self.keys.dist)
-            rank0 = await self.r.get(self.keys.rank_alive(0))
-            if d and rank0 and d.get(b"token") == rank0 and int(d.get(b"gen", 0)) > self.gen:
-                self.gen = int(d[b"gen"])
-                return d[b"addr"].decode(), int(d[b"port"])
-            await asyncio.sleep(0.05)
-        raise TimeoutError("rank 0 did not publish the rendezvous address in time")
-
-    async def _form_group(self) -> None:
-        addr, port = await self._rendezvous()
-        self.group = await asyncio.to_thread(
-            LockstepGroup.init, self.rank, self.s.ranks, addr, port, self.s.collective_timeout_s, self.s.device)
-        if self.rank == 0:
-            await self.r.hset(self.keys.dist, "formed", 1)
-        self.log.info("engine_group_formed", gen=self.gen, world=self.s.ranks)
-
-    async def _announce_replacement(self) -> None:
-        """Joining a group that already ran (this rank replaces a dead one): wake the
-        paused survivors so they re-form now instead of at their next collective timeout."""
-        d = await self.r.hgetall(self.keys.dist)
-        if d and d.get(b"formed") == b"1":
-            formed = int(d.get(b"gen", 0))
-            if self.rank != 0:
-                self.gen = formed
-            # Tagged with the generation it replaces: ranks already past it ignore the notice.
-            await self.r.xadd(self.keys.wave, {FIELD: dumps({"w": -1, "r": self.rank, "reform": formed})},
-                              maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
-            self.log.warning("engine_replacing_rank", gen=self.gen)
-
-    async def _reform(self, why: str) -> None:
-        """The group broke (a rank died or hung) or a replacement joined: leave the old
-        group and meet again under a new generation. Work on this rank stays in memory;
-        a step whose collectives were cut is simply computed again."""
-        self.log.warning("engine_group_reforming", reason=why, gen=self.gen)
-        old = getattr(self, "group", None)
-        if old is not None:
-            try:
-                await asyncio.wait_for(asyncio.to_thread(old.close), 10)
-            except Exception:  # noqa: BLE001 - a broken group may not close cleanly
-                pass
-        while not self.stopping.is_set():
-            try:
-                await self._form_group()
-                self.reforms += 1
-                return
-            except Exception as exc:  # noqa: BLE001 - retry the rendezvous until the group is whole
-                self.log.warning("engine_group_retry", error=str(exc)[:200])
-                try:
-                    await asyncio.to_thread(LockstepGroup.close_default)
-                except Exception:  # noqa: BLE001
-                    pass
-                await asyncio.sleep(0.5)
-
-    async def _release(self) -> None:
-        try:
-            pipe = self.r.pipeline(transaction=False)
-            if await self.r.get(self.keys.rank_alive(self.rank)) == self.token.encode():
-                pipe.delete(self.keys.rank_alive(self.rank))
-            if self.rank == 0:
-                pipe.delete(self.keys.dist)
-            await pipe.execute()
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
-        grp = getattr(self, "group", None)
-        if grp is not None:
-            await asyncio.to_thread(grp.close)
-        await self.r.aclose()
 
     # ------------------------------------------------------------------ step loop
     async def _step_loop(self) -> None:
@@ -498,7 +346,7 @@ class EngineWorker:
     def _take_fetched(self, resp: Any) -> None:
         for _, eid, doc in decode_entries(resp):
             self.fetched.append((eid, doc))
-            if _id_key(eid) > _id_key(self.inbox_last):
+            if entry_id_key(eid) > entry_id_key(self.inbox_last):
                 self.inbox_last = eid
 
     def _forget(self, seq_id: str) -> bytes | None:

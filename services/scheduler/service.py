@@ -19,6 +19,7 @@ from collections import OrderedDict
 from typing import Any
 
 from shared import keys as K
+from services.scheduler.housekeeping import recover_orphans, trim_acked
 from shared.bus import RedisUnreachable, check_reachable, connect, decode_entries, ensure_group, retrying
 from shared.logging import configure
 from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
@@ -29,7 +30,7 @@ from shared.settings import SchedulerSettings
 from shared.stats import RankStats, Snapshot
 
 ASSIGNED_MEMORY = 200_000   # request id -> rank, for routing aborts (LRU, bounded)
-ORPHAN_SCAN_S = 2.0         # look for work left behind by dead ranks this often (and at once on changes)
+ORPHAN_SCAN_S = 2.0         # look for work left behind by dead ranks (and trim) this often, and at once on changes
 
 
 class SchedulerService:
@@ -374,102 +375,18 @@ class SchedulerService:
         if time.monotonic() >= self._next_orphan_scan:
             self._next_orphan_scan = time.monotonic() + ORPHAN_SCAN_S
             await self._recover_orphans()
-            await self._trim_streams()
+            await trim_acked(self.r, self.keys, self.ranks)
         await asyncio.sleep(0.25)
 
-    async def _trim_streams(self) -> None:
-        """Keep the request stream and the inboxes bounded: drop entries that were both
-        delivered and acked (older than the oldest pending and the last delivered)."""
-        streams = [(self.keys.requests, K.SCHEDULER_GROUP)] + [(self.keys.inbox(r), K.ENGINE_GROUP) for r in self.ranks]
-        pipe = self.r.pipeline(transaction=False)
-        for stream, group in streams:
-            pipe.xinfo_groups(stream)
-            pipe.xpending(stream, group)
-        res = await pipe.execute(raise_on_error=False)
-        pipe = self.r.pipeline(transaction=False)
-        for i, (stream, group) in enumerate(streams):
-            groups, pending = res[2 * i], res[2 * i + 1]
-            if isinstance(groups, Exception) or isinstance(pending, Exception):
-                continue
-            delivered = None
-            for g in groups:
-                g = {(k.decode() if isinstance(k, bytes) else k): v for k, v in g.items()}
-                if g["name"] in (group, group.encode()):
-                    delivered = g["last-delivered-id"]
-            if delivered is None:
-                continue
-            floor = delivered
-            if pending and pending.get("pending") and pending.get("min"):
-                floor = min(floor, pending["min"], key=_entry_key)
-            pipe.xtrim(stream, minid=floor, approximate=False)
-        await pipe.execute(raise_on_error=False)
-
     async def _recover_orphans(self) -> None:
-        """Resume the requests of dead ranks on live ones.
-
-        Each engine incarnation reads its inbox under its own consumer name and acks a
-        request only when it finishes, so whatever a dead incarnation held is still pending
-        under its name. Those entries are claimed (atomically: one owner), acked, and their
-        api-servers are asked to resubmit them with the tokens already streamed; the new
-        rank re-prefills prompt + those tokens and continues where the stream stopped.
-        Entries never delivered to a rank that stays dead are resumed the same way."""
-        now_ms = int(time.time() * 1000)
-        pipe = self.r.pipeline(transaction=False)
-        for r in self.ranks:
-            pipe.hget(self.keys.rank_info(r), "consumer")
-            pipe.xinfo_consumers(self.keys.inbox(r), K.ENGINE_GROUP)
-        res = await pipe.execute(raise_on_error=False)
-        by_api: dict[str, list[str]] = {}
-        for i, r in enumerate(self.ranks):
-            live_consumer = res[2 * i]
-            consumers = res[2 * i + 1]
-            if isinstance(consumers, Exception) or not consumers:
-                continue
-            alive = r in self.live
-            inbox = self.keys.inbox(r)
-            for c in consumers:
-                c = {(k.decode() if isinstance(k, bytes) else k): v for k, v in c.items()}
-                name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
-                if name == "recovery" or (alive and live_consumer is not None and name == live_consumer.decode()):
-                    continue
-                if int(c.get("pending", 0)):
-                    pending = await self.r.xpending_range(inbox, K.ENGINE_GROUP, min="-", max="+",
-                                                          count=10_000, consumername=name)
-                    ids = [p["message_id"] for p in pending]
-                    if ids:
-                        claimed = await self.r.xclaim(inbox, K.ENGINE_GROUP, "recovery", min_idle_time=0,
-                                                      message_ids=ids)
-                        self._collect_resumes(claimed, by_api)
-                        await self.r.xack(inbox, K.ENGINE_GROUP, *ids)
-                await self.r.xgroup_delconsumer(inbox, K.ENGINE_GROUP, name)
-            if not alive and r in self.ever_alive:
-                # Work queued for a rank that died and stays dead: never delivered, resume it
-                # too. (A rank still starting up has not died: its queue waits for it.)
-                resp = await self.r.xreadgroup(K.ENGINE_GROUP, "recovery", {inbox: ">"}, count=10_000)
-                entries = [(eid, fields) for _, batch in (resp or []) for eid, fields in batch]
-                if entries:
-                    self._collect_resumes(entries, by_api)
-                    await self.r.xack(inbox, K.ENGINE_GROUP, *[eid for eid, _ in entries])
+        by_api = await recover_orphans(self.r, self.keys, self.ranks, set(self.live), self.ever_alive)
         if by_api:
-            pipe = self.r.pipeline(transaction=False)
-            for api, ids in by_api.items():
-                pipe.xadd(self.keys.out(api), {FIELD: dumps({"k": "resume", "ids": ids})},
-                          maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
-            await pipe.execute()
+            for ids in by_api.values():
+                for rid in ids:
+                    self.assigned.pop(rid, None)
             n = sum(len(v) for v in by_api.values())
             self.counters["resumed"] = self.counters.get("resumed", 0) + n
-            self.log.warning("resuming_requests_of_dead_ranks", n=n, t_ms=now_ms)
-
-    def _collect_resumes(self, entries: list[Any], by_api: dict[str, list[str]]) -> None:
-        for _, _, doc in decode_entries([(b"inbox", entries)]):
-            if doc.get("k") == "req":
-                by_api.setdefault(doc["api"], []).append(doc["id"])
-                self.assigned.pop(doc["id"], None)
-
-
-def _entry_key(entry_id: bytes | str) -> tuple[int, int]:
-    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
-    return int(ms), int(seq or 0)
+            self.log.warning("resuming_requests_of_dead_ranks", n=n)
 
 
 def main(settings: SchedulerSettings) -> int:

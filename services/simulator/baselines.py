@@ -57,7 +57,7 @@ view is only staler and bumped less, not inconsistent).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from shared.policy.base import Assignment, RequestInfo

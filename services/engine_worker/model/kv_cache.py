@@ -80,7 +80,7 @@ def build_layout(chunks: list[ChunkInput], block_size: int, num_blocks: int, max
         if any(not 0 <= b < num_blocks for b in c.block_table[:need]):
             raise ValueError(f"block_table of {c.seq_id!r} names a block outside 0..{num_blocks - 1}")
 
-    B, q_max, l_max = len(chunks), max(n_tok), max(ctx)
+    q_max, l_max = max(n_tok), max(ctx)
     n_blk = -(-l_max // block_size)
     # Only the blocks covering each chunk's context are read; the rest is padding (block 0),
     # masked out of attention below.

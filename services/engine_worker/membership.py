@@ -1,0 +1,189 @@
+"""How one engine process belongs to the DP+EP group: rank slot, heartbeat, rendezvous,
+and re-forming the group when a rank dies or a replacement joins.
+
+A mixin of EngineWorker (it uses the worker's settings, Redis client, log and core), kept
+apart because it is one idea: membership, not stepping.
+
+- A rank slot is claimed with ``SET <ns>:rank:<r>:alive <token> NX PX`` and kept alive by
+  the heartbeat, which also aborts requests of api-servers whose heartbeat lapsed.
+- The group has a generation (``<ns>:dist`` ``gen``): rank 0 publishes where generation g+1
+  meets; the others wait for a generation newer than theirs. On a failed collective, or a
+  replacement's notice while paused, every rank leaves and meets again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from typing import Any
+
+from services.engine_worker.lockstep import LockstepGroup
+from shared import keys as K
+from shared.bus import ensure_group
+from shared.messages import FIELD, dumps
+from shared.redis_server import free_port
+
+
+class ClaimFailed(RuntimeError):
+    pass
+
+
+class GroupMembership:
+    """Membership half of EngineWorker (see the module docstring)."""
+
+    s: Any
+    r: Any
+    log: Any
+    keys: K.Keys
+    rank: int
+    token: str
+    gen: int
+    reforms: int
+    stopping: asyncio.Event
+    core: Any
+    _aborted: list[Any]
+
+    async def _claim_rank(self) -> int:
+        """Take a rank slot with SET NX PX: the first free one, or the one asked for."""
+        ttl = self.s.heartbeat_ms * 3
+        wanted = [self.rank] if self.rank >= 0 else list(range(self.s.ranks))
+        deadline = time.monotonic() + max(10.0, ttl / 1000 * 2)
+        while time.monotonic() < deadline:
+            for r in wanted:
+                if await self.r.set(self.keys.rank_alive(r), self.token, nx=True, px=ttl):
+                    return r
+            await asyncio.sleep(ttl / 1000 / 4)   # a dead rank's key lapses within ttl
+        raise ClaimFailed(f"no free rank slot among {wanted} in namespace {self.s.namespace!r}; "
+                          f"are {self.s.ranks} engine-workers already running?")
+
+    async def _heartbeat(self) -> None:
+        ttl = self.s.heartbeat_ms * 3
+        while True:
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                pipe.set(self.keys.rank_alive(self.rank), self.token, px=ttl)
+                # Identity too, so a restarted (empty) Redis learns it again within a beat.
+                pipe.hset(self.keys.rank_info(self.rank), mapping={
+                    "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend, "token": self.token})
+                # Whose requests run here: an api-server that stopped beating has no reader
+                # for their tokens, so they are aborted instead of running to the end.
+                apis = sorted({q.api for q in (*self.core.running, *self.core.waiting)})
+                for api in apis:
+                    pipe.exists(self.keys.api_alive(api))
+                res = await pipe.execute()
+                dead = {api for api, alive in zip(apis, res[2:]) if not alive}
+                if dead:
+                    self._abort_owned_by(dead)
+            except Exception as exc:  # noqa: BLE001 - keep beating through blips
+                self.log.warning("heartbeat_failed", error=str(exc))
+            await asyncio.sleep(self.s.heartbeat_ms / 1000)
+
+    def _abort_owned_by(self, dead_apis: set[str]) -> None:
+        ids = [q.id for q in (*self.core.running, *self.core.waiting) if q.api in dead_apis]
+        for sid in ids:
+            seq = self.core.abort(sid, time.time())
+            if seq is not None:
+                self._aborted.append(seq)
+        if ids:
+            self.log.warning("aborted_requests_of_dead_api_server", apis=sorted(dead_apis), n=len(ids))
+
+    async def _prepare_streams(self) -> None:
+        inbox = self.keys.inbox(self.rank)
+        await ensure_group(self.r, inbox, K.ENGINE_GROUP, "0")
+        groups = await self.r.xinfo_groups(inbox)
+        for g in groups:
+            g = {(k.decode() if isinstance(k, bytes) else k): v for k, v in g.items()}
+            if g["name"] in (K.ENGINE_GROUP, K.ENGINE_GROUP.encode()):
+                self.inbox_last = g["last-delivered-id"]
+        last = await self.r.xrevrange(self.keys.wave, count=1)
+        if last:
+            self.wave_last = last[0][0]
+        await self.r.hset(self.keys.rank_info(self.rank), mapping={
+            "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend,
+            "started": time.time(), "token": self.token, "consumer": self.consumer})
+
+    async def _rendezvous(self) -> tuple[str, int]:
+        """Rank 0 publishes where the group meets, with a generation one above the last;
+        the others wait (bounded) for a generation newer than the one they were in."""
+        if self.s.ranks == 1:
+            return self.s.group_host, 0
+        if self.rank == 0:
+            old = await self.r.hget(self.keys.dist, "gen")
+            self.gen = max(self.gen, int(old or 0)) + 1
+            port = free_port()
+            await self.r.hset(self.keys.dist, mapping={
+                "addr": self.s.group_host, "port": port, "world": self.s.ranks, "token": self.token, "t": time.time(),
+                "gen": self.gen, "formed": 0})
+            return self.s.group_host, port
+        deadline = time.monotonic() + max(self.s.collective_timeout_s, 60.0)
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            d = await self.r.hgetall(self.keys.dist)
+            rank0 = await self.r.get(self.keys.rank_alive(0))
+            if d and rank0 and d.get(b"token") == rank0 and int(d.get(b"gen", 0)) > self.gen:
+                self.gen = int(d[b"gen"])
+                return d[b"addr"].decode(), int(d[b"port"])
+            await asyncio.sleep(0.05)
+        raise TimeoutError("rank 0 did not publish the rendezvous address in time")
+
+    async def _form_group(self) -> None:
+        addr, port = await self._rendezvous()
+        self.group = await asyncio.to_thread(
+            LockstepGroup.init, self.rank, self.s.ranks, addr, port, self.s.collective_timeout_s, self.s.device)
+        if self.rank == 0:
+            await self.r.hset(self.keys.dist, "formed", 1)
+        self.log.info("engine_group_formed", gen=self.gen, world=self.s.ranks)
+
+    async def _announce_replacement(self) -> None:
+        """Joining a group that already ran (this rank replaces a dead one): wake the
+        paused survivors so they re-form now instead of at their next collective timeout."""
+        d = await self.r.hgetall(self.keys.dist)
+        if d and d.get(b"formed") == b"1":
+            formed = int(d.get(b"gen", 0))
+            if self.rank != 0:
+                self.gen = formed
+            # Tagged with the generation it replaces: ranks already past it ignore the notice.
+            await self.r.xadd(self.keys.wave, {FIELD: dumps({"w": -1, "r": self.rank, "reform": formed})},
+                              maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
+            self.log.warning("engine_replacing_rank", gen=self.gen)
+
+    async def _reform(self, why: str) -> None:
+        """The group broke (a rank died or hung) or a replacement joined: leave the old
+        group and meet again under a new generation. Work on this rank stays in memory;
+        a step whose collectives were cut is simply computed again."""
+        self.log.warning("engine_group_reforming", reason=why, gen=self.gen)
+        old = getattr(self, "group", None)
+        if old is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(old.close), 10)
+            except Exception:  # noqa: BLE001 - a broken group may not close cleanly
+                pass
+        while not self.stopping.is_set():
+            try:
+                await self._form_group()
+                self.reforms += 1
+                return
+            except Exception as exc:  # noqa: BLE001 - retry the rendezvous until the group is whole
+                self.log.warning("engine_group_retry", error=str(exc)[:200])
+                try:
+                    await asyncio.to_thread(LockstepGroup.close_default)
+                except Exception:  # noqa: BLE001
+                    pass
+                await asyncio.sleep(0.5)
+
+    async def _release(self) -> None:
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            if await self.r.get(self.keys.rank_alive(self.rank)) == self.token.encode():
+                pipe.delete(self.keys.rank_alive(self.rank))
+            if self.rank == 0:
+                pipe.delete(self.keys.dist)
+            await pipe.execute()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        grp = getattr(self, "group", None)
+        if grp is not None:
+            await asyncio.to_thread(grp.close)
+        await self.r.aclose()
+
