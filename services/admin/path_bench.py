@@ -15,7 +15,6 @@ import statistics
 import time
 from typing import Any
 
-import httpx
 import orjson
 
 
@@ -28,19 +27,33 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 async def measure_ttft(url: str, samples: int, model: str = "lockstep-moe") -> list[float]:
-    out: list[float] = []
+    """Request written -> first SSE chunk carrying text, one request at a time over a kept-alive
+    raw connection (a general-purpose client adds its own milliseconds on this path)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
     body = orjson.dumps({"model": model, "prompt": "ttft probe", "max_tokens": 2, "stream": True, "ignore_eos": True})
-    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=4)) as http:
+    wire = (f"POST {parts.path}/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    out: list[float] = []
+    try:
         for i in range(samples + 5):
             t0 = time.perf_counter()
+            writer.write(wire)
             first = None
-            async with http.stream("POST", url + "/completions", content=body,
-                                   headers={"content-type": "application/json"}) as resp:
-                async for line in resp.aiter_lines():
-                    if first is None and line.startswith("data: {") and '"text":""' not in line:
-                        first = time.perf_counter() - t0
-            if i >= 5 and first is not None:   # the first few warm connections and code paths
+            while True:   # chunked transfer: size lines, data lines, blank lines
+                line = await reader.readline()
+                if first is None and line.startswith(b"data: {") and b'"text":""' not in line:
+                    first = time.perf_counter() - t0
+                if line.startswith(b"data: [DONE]"):
+                    await reader.readuntil(b"0\r\n\r\n")   # the terminating chunk
+                    break
+            if i >= 5 and first is not None:   # the first few warm the code paths
                 out.append(first * 1000)
+            await asyncio.sleep(0.01)
+    finally:
+        writer.close()
     return out
 
 
