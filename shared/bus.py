@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 from typing import Any, Awaitable, Callable, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -56,6 +57,20 @@ async def check_reachable(url: str, timeout_s: float = 3.0) -> None:
             "Start one, fix --redis-url / LOCKSTEP_REDIS_URL, or omit it to let `lockstep up` start its own.") from None
     finally:
         await client.aclose()
+
+
+async def open_service_connection(url: str, log: Any, stop: asyncio.Event) -> aioredis.Redis | None:
+    """Start-up of a service: check Redis is reachable (one clear log line if not: None),
+    connect, and let SIGTERM/SIGINT set ``stop`` for a clean shutdown."""
+    try:
+        await check_reachable(url)
+    except RedisUnreachable as exc:
+        log.error("redis_unreachable", error=str(exc))
+        return None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return connect(url)
 
 
 async def ensure_group(r: aioredis.Redis, stream: str, group: str, start: str = "0") -> None:

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 import uuid
 from collections import defaultdict
 from typing import Any
 
 from shared import keys as K
-from shared.bus import (RedisUnreachable, Recorder, check_reachable, connect, decode_entries, ensure_group,
-                        entry_id_key, execute_recorded, retrying)
+from shared.bus import (Recorder, decode_entries, ensure_group, entry_id_key, execute_recorded,
+                        open_service_connection, retrying)
 from shared.cost_model import CostModel
 from shared.logging import configure
 from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
@@ -80,15 +79,10 @@ class EngineWorker(GroupMembership):
 
     # ------------------------------------------------------------------ start-up
     async def run(self) -> int:
-        try:
-            await check_reachable(self.s.redis_url)
-        except RedisUnreachable as exc:
-            self.log.error("redis_unreachable", error=str(exc))
+        r = await open_service_connection(self.s.redis_url, self.log, self.stopping)
+        if r is None:
             return 2
-        self.r = connect(self.s.redis_url)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
+        self.r = r
         try:
             self.rank = await self._claim_rank()
         except ClaimFailed as exc:

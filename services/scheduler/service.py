@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import time
 import uuid
 from collections import OrderedDict
@@ -20,7 +19,7 @@ from typing import Any
 
 from shared import keys as K
 from services.scheduler.housekeeping import recover_orphans, trim_acked
-from shared.bus import RedisUnreachable, check_reachable, connect, decode_entries, ensure_group, retrying
+from shared.bus import decode_entries, ensure_group, open_service_connection, retrying
 from shared.logging import configure
 from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
 from shared.policy.aggregator import StepAggregator
@@ -59,15 +58,10 @@ class SchedulerService:
         self.ever_alive: set[int] = set()   # ranks seen alive: only those can have died
 
     async def run(self) -> int:
-        try:
-            await check_reachable(self.s.redis_url)
-        except RedisUnreachable as exc:
-            self.log.error("redis_unreachable", error=str(exc))
+        r = await open_service_connection(self.s.redis_url, self.log, self.stop)
+        if r is None:
             return 2
-        self.r = connect(self.s.redis_url)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop.set)
+        self.r = r
         await ensure_group(self.r, self.keys.requests, K.SCHEDULER_GROUP, "0")
         if not await self._become_leader():
             return 0

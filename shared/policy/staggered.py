@@ -77,8 +77,8 @@ across batches) — which without KV limits is within 4/3 of the optimal largest
 LPT is provably optimal on (1) and (2) (no overflow, and its largest load equals a lower
 bound: the current maximum, the water level, or the least load plus the largest request)
 it is kept, which is the common case under load. Otherwise a depth-first branch-and-bound
-over the same order improves (1, 2, 3), capped at ``search_nodes`` steps (default 1000,
-about a millisecond). Small batches (a handful of requests on a few ranks) are therefore
+over the same order improves (1, 2, 3), capped at ``search_nodes`` steps (default 4000,
+a few milliseconds at most). Small batches (a handful of requests on a few ranks) are therefore
 solved exactly; large ones keep the best found, never worse than LPT.
 
 Batch tags
@@ -167,7 +167,7 @@ class StaggeredBatcher:
         adaptive: bool = True,
         max_held: int = 65536,
         max_pending: int = 65536,
-        search_nodes: int = 1000,
+        search_nodes: int = 4000,
     ) -> None:
         if hard_max_wait_ms < 0 or max_wait_ms < 0:
             raise ValueError("wait bounds must be >= 0")
@@ -503,11 +503,20 @@ class StaggeredBatcher:
         st = {"best": best, "pick": best_pick, "budget": self.search_nodes}
         over0 = sum(max(0, -f) for f in free0 if f is not None)
         sq0 = sum(x * x for x in load0)
+        # The largest load can never end below the water level of all the work: a partial
+        # placement is compared with max(its max, level), which prunes far more.
+        level = -(-(sum(load0) + sum(cost)) // m)
+        # ... and the KV overflow never below what the free blocks cannot hold. Once the
+        # best placement reaches both bounds it is optimal on them: stop searching.
+        over_lb = (max(0, sum(need) - sum(max(0, f) for f in free0)) + over0
+                   if all(f is not None for f in free0) else over0)
 
         def dfs(k: int, over: int, mx: int, sq: int) -> None:
             if k == n:
                 if (over, mx, sq) < st["best"]:
                     st["best"], st["pick"] = (over, mx, sq), list(cur)
+                    if (over, mx) <= (over_lb, level):
+                        st["budget"] = 0
                 return
             st["budget"] -= m
             i = order[k]
@@ -525,7 +534,7 @@ class StaggeredBatcher:
                 d_over = 0 if f is None else (
                     max(0, used[j] + b - f) - max(0, used[j] - f))
                 new = (over + d_over, max(mx, load[j] + c), sq + 2 * load[j] * c + c * c)
-                if new >= st["best"]:
+                if (new[0], max(new[1], level), new[2]) >= st["best"]:
                     continue
                 load[j] += c
                 used[j] += b
