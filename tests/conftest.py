@@ -12,8 +12,15 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from shared.redis_server import EmbeddedRedis, free_port
+
+# CI runs the property tests on a fixed set of examples (HYPOTHESIS_PROFILE=ci, set by
+# .ci/run), so a landing is never decided by a lucky draw; locally they explore anew.
+hypothesis_settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("HYPOTHESIS_PROFILE"):
+    hypothesis_settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
 
 ROOT = Path(__file__).resolve().parent.parent
 
