@@ -62,14 +62,19 @@ class Request:
     dispatcher: str | None = None  # who placed it (Assignment.dispatcher) ...
     dispatch_seq: int = 0          # ... and its per-(dispatcher, rank) seq, echoed in RankStats.recv
     epoch: int = 0                 # bumped on each resume; deltas of an older epoch are ignored
+    # The prompt as it came off the wire (hex), reused when the request is written on
+    # (scheduler -> inbox) instead of re-encoding it token by token. Prompts never change.
+    prompt_wire: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt)
 
     def to_dict(self) -> dict[str, Any]:
+        if self.prompt_wire is None:
+            self.prompt_wire = bytes(self.prompt).hex() if _all_bytes(self.prompt) else ""
         d: dict[str, Any] = {"k": "req", "id": self.id, "api": self.api,
-                             "p": bytes(self.prompt).hex() if _all_bytes(self.prompt) else self.prompt,
+                             "p": self.prompt_wire or self.prompt,
                              "sp": self.params.to_dict(), "at": self.arrival}
         if self.rank is not None:
             d["r"] = self.rank
@@ -89,11 +94,12 @@ class Request:
     def from_dict(cls, d: dict[str, Any]) -> "Request":
         p = d["p"]
         prompt = list(bytes.fromhex(p)) if isinstance(p, str) else list(p)
+        wire = p if isinstance(p, str) else None
         return cls(id=d["id"], api=d["api"], prompt=prompt,
                    params=SamplingParams.from_dict(d["sp"]), arrival=d["at"],
                    rank=d.get("r"), batch=d.get("b"), batch_counts=d.get("bc"),
                    generated=list(d.get("g", ())), dispatcher=d.get("dp"), dispatch_seq=d.get("ds", 0),
-                   epoch=d.get("ep", 0))
+                   epoch=d.get("ep", 0), prompt_wire=wire)
 
 
 def _all_bytes(tokens: list[int]) -> bool:

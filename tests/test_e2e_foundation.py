@@ -12,6 +12,7 @@ import sys
 import httpx
 import openai
 import pytest
+import pytest_asyncio
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
@@ -25,12 +26,17 @@ MODEL = "lockstep-moe"
 
 @pytest.fixture(scope="module")
 def client(sim_cluster):
-    return openai.OpenAI(base_url=sim_cluster.api_url, api_key="unused", max_retries=0, timeout=60)
+    c = openai.OpenAI(base_url=sim_cluster.api_url, api_key="unused", max_retries=0, timeout=60)
+    yield c
+    c.close()
 
 
-@pytest.fixture(scope="module")
-def aclient(sim_cluster):
-    return openai.AsyncOpenAI(base_url=sim_cluster.api_url, api_key="unused", max_retries=0, timeout=120)
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def aclient(sim_cluster):
+    # Closed with its module: its pooled connections must not outlive the cluster.
+    c = openai.AsyncOpenAI(base_url=sim_cluster.api_url, api_key="unused", max_retries=0, timeout=120)
+    yield c
+    await c.close()
 
 
 def test_completion_non_stream(client):
