@@ -17,6 +17,7 @@ import typer
 
 from services.admin import local_state
 from shared import keys as K
+from shared.bus import decode_entries
 from shared.messages import FIELD
 
 NS_OPT = typer.Option("ls", "--namespace", "-n", envvar="LOCKSTEP_NAMESPACE", help="Key prefix of the cluster.")
@@ -76,13 +77,8 @@ async def read_steps(r: Any, keys: K.Keys, count: int) -> list[dict[str, Any]]:
     """The last ``count`` finalized snapshots from ``<ns>:steps``, oldest first."""
     entries = await r.xrevrange(keys.steps, count=count)
     out = []
-    for eid, fields in reversed(entries):
-        raw = fields.get(FIELD)
-        if raw is None:
-            continue
-        try:
-            d = orjson.loads(raw)
-        except orjson.JSONDecodeError:
+    for _, eid, d in decode_entries([(keys.steps, list(reversed(entries)))]):
+        if d.get("k") == "corrupt":
             continue
         d["id"] = _s(eid)
         out.append(d)

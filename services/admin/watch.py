@@ -19,12 +19,11 @@ import asyncio
 import time
 from typing import Any, Optional
 
-import orjson
 import typer
 
 from services.admin.ops import JSON_OPT, NS_OPT, URL_OPT, _s, emit_json, read_steps, resolve
 from shared import keys as K
-from shared.messages import FIELD
+from shared.bus import decode_entries, entry_id_key
 
 MAX_STEPS = 20_000       # finalized steps read per frame, at most
 MAX_OUT_ENTRIES = 5_000  # output-stream entries read per api-server per frame, at most
@@ -44,15 +43,8 @@ async def _ttft_samples(r: Any, keys: K.Keys, window_s: float, now: float) -> li
     out_streams = [k async for k in r.scan_iter(match=f"{keys.out('*')}", count=1000, _type="stream")]
     for stream in out_streams:
         entries = await r.xrevrange(stream, min=start, count=MAX_OUT_ENTRIES)
-        for eid, fields in entries:
-            raw = fields.get(FIELD)
-            if raw is None:
-                continue
-            try:
-                doc = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                continue
-            t = int(_s(eid).split("-")[0]) / 1000.0
+        for _, eid, doc in decode_entries([(stream, entries)]):
+            t = entry_id_key(eid)[0] / 1000.0
             for d in doc.get("ds", ()):
                 if d.get("o") == 0 and d.get("t"):
                     rid = d.get("id")
