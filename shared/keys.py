@@ -92,8 +92,15 @@ class Keys:
 
     @property
     def wave(self) -> str:
-        """Stream: wake-up notices that start a new wave after all ranks paused."""
+        """Stream: wake-up notices that start wave W after all ranks paused (from the
+        dispatcher that ended the pause, or else the rank that found the work)."""
         return f"{self.ns}:wave"
+
+    @property
+    def paused(self) -> str:
+        """String: the wave a paused engine group starts at its next wake (rank 0 sets it
+        as the group pauses; the dispatch or notice that ends the pause deletes it)."""
+        return f"{self.ns}:paused"
 
     @property
     def leader(self) -> str:
@@ -125,6 +132,6 @@ class Keys:
             self.requests, self.inbox("{r}"), self.out("{api}"), self.req("{id}"),  # type: ignore[arg-type]
             self.step("{wave}", "{step}"), self.stats, self.snapshot, self.steps,  # type: ignore[arg-type]
             self.batch("{id}"), self.rank_alive("{r}"), self.rank_info("{r}"),  # type: ignore[arg-type]
-            self.dist, self.wave, self.leader, self.scheduler, self.api_alive("{api}"),
+            self.dist, self.wave, self.paused, self.leader, self.scheduler, self.api_alive("{api}"),
             self.cluster, self.drained,
         ]

@@ -10,10 +10,10 @@ engines' own per-step stats from the ``<ns>:stats`` stream over the measurement 
 * steps/s and ms per step: a rank's step period is the time between the ends of two
   consecutive steps (the whole loop: schedule, collective, forward, Redis round trip);
   ``forward_ms`` is the slowest rank's forward + postprocess of a step;
-* collective share: the time a rank spent in the step all-reduce (``exchange_s``, incl.
+* collective share: the time a rank spent in the step all-gather (``exchange_s``, incl.
   waiting for peers) and in the MoE all-to-alls (``comm_s``, torch only) ÷ its step period;
-* Redis round trips per rank per step of the step loop (``round_trips``; the once-a-second
-  heartbeat is not counted; goal: one);
+* Redis round trips per rank per step of the step loop (``round_trips``; the liveness
+  thread and the api-server watch are not counted; goal: one);
 * decode tokens/s, balance ratio and idle-forward fraction (shared/measures.py).
 
 All figures are medians over steps (and over ranks where a figure is per rank).

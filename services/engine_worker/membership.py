@@ -5,7 +5,8 @@ A mixin of EngineWorker (it uses the worker's settings, Redis client, log and co
 apart because it is one idea: membership, not stepping.
 
 - A rank slot is claimed with ``SET <ns>:rank:<r>:alive <token> NX PX`` and kept alive by
-  the heartbeat, which also aborts requests of api-servers whose heartbeat lapsed.
+  a liveness thread (independent of the event loop, which the step collective blocks);
+  a loop task aborts requests of api-servers whose heartbeat lapsed.
 - The group has a generation (``<ns>:dist`` ``gen``): rank 0 publishes where generation g+1
   meets; the others wait for a generation newer than theirs. On a failed collective, or a
   replacement's notice while paused, every rank leaves and meets again.
@@ -16,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from services.engine_worker.lockstep import LockstepGroup
 from shared import keys as K
@@ -58,26 +60,67 @@ class GroupMembership:
         raise ClaimFailed(f"no free rank slot among {wanted} in namespace {self.s.namespace!r}; "
                           f"are {self.s.ranks} engine-workers already running?")
 
-    async def _heartbeat(self) -> None:
+    def _start_liveness(self) -> Callable[[], None]:
+        """Renew this rank's alive key (and identity) from a thread with its own connection.
+
+        The step collective runs on the event loop thread (a thread hop would cost more
+        than the collective itself), and a hung peer holds it there for up to
+        collective_timeout_s, longer than the key lives: liveness must not depend on the
+        loop. Returns what stops it (blocking until its last beat is written)."""
+        import redis
+
+        done = threading.Event()
         ttl = self.s.heartbeat_ms * 3
+        alive_key, info_key = self.keys.rank_alive(self.rank), self.keys.rank_info(self.rank)
+        identity = {"pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend, "token": self.token}
+        client = redis.Redis.from_url(self.s.redis_url, socket_timeout=max(0.5, self.s.heartbeat_ms / 1000),
+                                      socket_connect_timeout=max(0.5, self.s.heartbeat_ms / 1000))
+        log = self.log
+
+        def beat() -> None:
+            failing = False
+            while not done.is_set():
+                try:
+                    pipe = client.pipeline(transaction=False)
+                    pipe.set(alive_key, self.token, px=ttl)
+                    # Identity too, so a restarted (empty) Redis learns it again within a beat.
+                    pipe.hset(info_key, mapping=identity)
+                    pipe.execute()
+                    if failing:
+                        log.info("heartbeat_restored")
+                    failing = False
+                except Exception as exc:  # noqa: BLE001 - keep beating through blips
+                    if not failing:
+                        log.warning("heartbeat_failed", error=str(exc)[:200])
+                    failing = True
+                done.wait(self.s.heartbeat_ms / 1000)
+            client.close()
+
+        thread = threading.Thread(target=beat, name=f"rank{self.rank}-liveness", daemon=True)
+        thread.start()
+
+        def stop() -> None:
+            done.set()
+            thread.join(timeout=2 * max(0.5, self.s.heartbeat_ms / 1000))
+
+        return stop
+
+    async def _watch_api_servers(self) -> None:
+        """Whose requests run here: an api-server that stopped beating has no reader for
+        their tokens, so they are aborted instead of running to the end."""
         while True:
-            try:
-                pipe = self.r.pipeline(transaction=False)
-                pipe.set(self.keys.rank_alive(self.rank), self.token, px=ttl)
-                # Identity too, so a restarted (empty) Redis learns it again within a beat.
-                pipe.hset(self.keys.rank_info(self.rank), mapping={
-                    "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend, "token": self.token})
-                # Whose requests run here: an api-server that stopped beating has no reader
-                # for their tokens, so they are aborted instead of running to the end.
-                apis = sorted({q.api for q in (*self.core.running, *self.core.waiting)})
-                for api in apis:
-                    pipe.exists(self.keys.api_alive(api))
-                res = await pipe.execute()
-                dead = {api for api, alive in zip(apis, res[2:]) if not alive}
-                if dead:
-                    self._abort_owned_by(dead)
-            except Exception as exc:  # noqa: BLE001 - keep beating through blips
-                self.log.warning("heartbeat_failed", error=str(exc))
+            apis = sorted({q.api for q in (*self.core.running, *self.core.waiting)})
+            if apis:
+                try:
+                    pipe = self.r.pipeline(transaction=False)
+                    for api in apis:
+                        pipe.exists(self.keys.api_alive(api))
+                    res = await pipe.execute()
+                    dead = {api for api, alive in zip(apis, res) if not alive}
+                    if dead:
+                        self._abort_owned_by(dead)
+                except Exception as exc:  # noqa: BLE001 - checked again next beat
+                    self.log.warning("api_server_check_failed", error=str(exc)[:200])
             await asyncio.sleep(self.s.heartbeat_ms / 1000)
 
     def _abort_owned_by(self, dead_apis: set[str]) -> None:

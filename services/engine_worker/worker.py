@@ -1,7 +1,7 @@
 """The engine-worker service: the step loop of one DP rank (the imperative shell).
 
 Per step:  read what the last round trip brought from the inbox -> local schedule ->
-one all-reduce that tells every rank every rank's load -> forward (or idle forward, or
+one all-gather that tells every rank every rank's load -> forward (or idle forward, or
 pause) -> postprocess -> ONE pipelined Redis round trip that writes the token deltas,
 the step stats and the acks and reads the next inbox entries.
 
@@ -34,6 +34,7 @@ from services.engine_worker.lockstep import (F_ALIGN, F_DECODE, F_GATE, F_GATE_H
 from services.engine_worker.step_budget import BudgetConfig, allowed, allowed_all, must_tokens, shared_budget, trim_plan
 from services.engine_worker.scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
+from shared import trace
 
 
 HOLD_POLL_MS = 2   # while every rank only has gated prefills: meet again this often (bounded by the gate timeout)
@@ -54,6 +55,10 @@ class EngineWorker(GroupMembership):
         self.entry_of: dict[str, bytes] = {}   # seq id -> inbox entry id (acked at finish)
         self.recv: dict[str, int] = {}    # dispatcher -> highest dispatch seq received
         self.fetched: list[tuple[bytes, dict[str, Any]]] = []
+        # Inbox entries taken straight from the wake-up read, before this consumer claimed
+        # them (entry id -> request id, None for an abort): the claim rides on the next
+        # step's read, which must neither admit them twice nor leave a finished one pending.
+        self.prefetched: dict[bytes, str | None] = {}
         self.stopping = asyncio.Event()
         self.cost = CostModel.load(settings.cost_model) if settings.cost_model else CostModel()
         self.core = EngineScheduler(
@@ -93,7 +98,8 @@ class EngineWorker(GroupMembership):
         # A new consumer name per incarnation: what a dead predecessor left pending stays
         # under its own name, where the scheduler finds it and resumes it elsewhere.
         self.consumer = f"rank{self.rank}-{self.token[:8]}"
-        heartbeat = asyncio.create_task(self._heartbeat())
+        liveness = self._start_liveness()
+        watcher = asyncio.create_task(self._watch_api_servers())
         try:
             await self._prepare_streams()
             await self._announce_replacement()
@@ -106,7 +112,8 @@ class EngineWorker(GroupMembership):
             await self._step_loop()
             return 0
         finally:
-            heartbeat.cancel()
+            watcher.cancel()
+            await asyncio.to_thread(liveness)   # its last beat lands before the alive key is dropped
             await self._release()
 
     def _make_backend(self) -> Any:
@@ -131,12 +138,18 @@ class EngineWorker(GroupMembership):
                 self._reform_requested = False
                 await self._reform("a replacement rank joined")
             tx = time.perf_counter()
+            if trace.ENABLED:
+                trace.mark(f"step_start:{self.rank}")
             try:
-                view: StepView = await asyncio.to_thread(self.group.exchange, row)
+                # On the loop thread: a thread hop costs more than the collective, and the
+                # loop has nothing else to do meanwhile (liveness beats from its own thread).
+                view: StepView = self.group.exchange(row)
             except RuntimeError as exc:        # a peer died or hung past the collective timeout
                 await self._reform(f"step collective failed: {str(exc)[:160]}")
                 continue
             self.exchange_s += time.perf_counter() - tx
+            if trace.ENABLED:
+                trace.mark(f"step_synced:{self.rank}")
             if all(view.column(F_ALIGN)):
                 self._align(plan, view)
             released = 0
@@ -155,9 +168,9 @@ class EngineWorker(GroupMembership):
                     await self._hold()
                 continue
             if action is Action.PAUSE:
-                await self._flush_outputs()
                 self.wave += 1
                 self.step = 0
+                await self._flush_outputs(paused=self.rank == 0)
                 await self._pause()
                 continue
             t0 = time.perf_counter()
@@ -265,19 +278,25 @@ class EngineWorker(GroupMembership):
         pipe.xadd(self.keys.stats, {FIELD: blob}, maxlen=K.STATS_STREAM_MAXLEN, approximate=True)
         pipe.hset(self.keys.rank_info(self.rank), mapping={"stats": blob, "idle_forwards": self.idle_forwards,
                                                            "wave": self.wave, "step": self.step})
-        room = max(0, self.s.max_num_seqs * 2 - self.core.num_waiting)
+        room = max(0, self.s.max_num_seqs * 2 - self.core.num_waiting, len(self.prefetched))
         if room:
             pipe.xreadgroup(K.ENGINE_GROUP, self.consumer, {self.keys.inbox(self.rank): self._read_from()},
                             count=room)
+        if trace.ENABLED:
+            trace.mark(f"publish_sent:{self.rank}")
         results = await self._execute(pipe)
         if room:
             self._take_fetched(results[-1])
 
-    async def _flush_outputs(self) -> None:
-        """Before a pause: send what is pending (rejections, aborts, acks) without a step."""
-        if self._early or self._aborted or self._acks:
+    async def _flush_outputs(self, paused: bool = False) -> None:
+        """Before a pause: send what is pending (rejections, aborts, acks) without a step.
+        ``paused`` (rank 0): record which wave the next wake starts, so that the dispatch
+        that ends the pause wakes every rank at once (shared/wake.py)."""
+        if self._early or self._aborted or self._acks or paused:
             pipe = Recorder()
             self._write_outputs(pipe, [], time.time())
+            if paused:
+                pipe.set(self.keys.paused, self.wave)
             await self._execute(pipe)
 
     def _write_outputs(self, pipe: Any, outputs: list[Any], now: float) -> int:
@@ -339,9 +358,19 @@ class EngineWorker(GroupMembership):
 
     def _take_fetched(self, resp: Any) -> None:
         for _, eid, doc in decode_entries(resp):
-            self.fetched.append((eid, doc))
-            if entry_id_key(eid) > entry_id_key(self.inbox_last):
-                self.inbox_last = eid
+            if eid in self.prefetched:
+                # Admitted at wake-up; this read only made it ours. Already finished or an
+                # abort: ack it now that the ack counts.
+                rid = self.prefetched.pop(eid)
+                if rid is None or self.entry_of.get(rid) != eid:
+                    self._acks.append(eid)
+                continue
+            self._fetch(eid, doc)
+
+    def _fetch(self, eid: bytes, doc: dict[str, Any]) -> None:
+        self.fetched.append((eid, doc))
+        if entry_id_key(eid) > entry_id_key(self.inbox_last):
+            self.inbox_last = eid
 
     def _forget(self, seq_id: str) -> bytes | None:
         self.prompts.pop(seq_id, None)
@@ -363,38 +392,45 @@ class EngineWorker(GroupMembership):
     # ------------------------------------------------------------------ pause / wake
     async def _pause(self) -> None:
         """Nobody has work: sleep on Redis (no busy loop, no dummy forwards) until work
-        reaches this rank's inbox or another rank announces the new wave. Reads resume
+        reaches this rank's inbox or a wake-up notice for this wave arrives. Reads resume
         from the last ids seen, so an arrival between the decision and the read is never
-        missed."""
+        missed.
+
+        Work read here is admitted at once (the consumer-group claim rides on the first
+        step's round trip). The rank that found it wakes the others with a notice, unless
+        the same read brought the dispatcher's notice (shared/wake.py): then every rank
+        woke at the same moment and nobody waits for a second hop."""
         inbox = self.keys.inbox(self.rank)
-        woke_by_me = False
-        while not self.stopping.is_set():
+        arrived: list[tuple[bytes, dict[str, Any]]] = []
+        notified = False
+        while not (arrived or notified or self._reform_requested or self.stopping.is_set()):
             self.round_trips += 1
             resp = await retrying(lambda: self.r.xread({inbox: self.inbox_last, self.keys.wave: self.wave_last},
                                                        block=self.s.heartbeat_ms, count=16),
                                   log=self.log, what="pause", on_retry=self._on_redis_retry)
-            woke = False
             for stream, eid, doc in decode_entries(resp):
                 if stream.decode() == self.keys.wave:
                     self.wave_last = eid
                     if doc.get("reform") and doc.get("r") != self.rank and int(doc["reform"]) >= self.gen:
-                        self._reform_requested = woke = True
+                        self._reform_requested = True
                     elif int(doc.get("w", -1)) >= self.wave:
-                        woke = True
+                        notified = True
                 else:
-                    woke = woke_by_me = True
-            if woke:
-                break
-        # One round trip: announce the new wave (this rank saw the work first) and take
-        # this rank's inbox entries.
-        if not (woke_by_me or self.stopping.is_set()):
-            return   # woken by another rank: nothing new here (the next step's round trip reads the inbox)
+                    arrived.append((eid, doc))
+        if not arrived:
+            return   # woken by a notice, or stopping: the next step's round trip reads the inbox
+        if trace.ENABLED:
+            trace.mark(f"rank_wake:{self.rank}")
+        for eid, doc in arrived:
+            self.prefetched[eid] = doc.get("id") if doc.get("k") == "req" else None
+            self._fetch(eid, doc)
+        if notified:
+            return
         pipe = Recorder()
         pipe.xadd(self.keys.wave, {FIELD: dumps({"w": self.wave, "r": self.rank})},
                   maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
-        pipe.xreadgroup(K.ENGINE_GROUP, self.consumer, {inbox: self._read_from()},
-                        count=max(1, self.s.max_num_seqs * 2))
-        self._take_fetched((await self._execute(pipe))[-1])
+        pipe.delete(self.keys.paused)   # woken: a later dispatch must not send a notice too
+        await self._execute(pipe)
 
 
 def main(settings: EngineSettings) -> int:

@@ -27,6 +27,8 @@ from shared.policy.base import Assignment, RequestInfo
 from shared.policy.registry import make_policy
 from shared.settings import SchedulerSettings
 from shared.stats import RankStats, Snapshot
+from shared.wake import wake_if_paused
+from shared import trace
 
 ASSIGNED_MEMORY = 200_000   # request id -> rank, for routing aborts (LRU, bounded)
 ORPHAN_SCAN_S = 2.0         # look for work left behind by dead ranks (and trim) this often, and at once on changes
@@ -56,6 +58,7 @@ class SchedulerService:
         self._redis_trouble = False
         self._next_orphan_scan = 0.0
         self.ever_alive: set[int] = set()   # ranks seen alive: only those can have died
+        self._dispatching = False             # the pipeline being built writes work to an inbox
 
     async def run(self) -> int:
         r = await open_service_connection(self.s.redis_url, self.log, self.stop)
@@ -161,6 +164,8 @@ class SchedulerService:
                                        count=self.s.read_count, block=1000)
         entries = decode_entries(resp)
         if entries:
+            if trace.ENABLED:
+                trace.mark("sched_read")
             await self._handle(entries)
 
     async def _reclaim_pending(self) -> None:
@@ -187,7 +192,9 @@ class SchedulerService:
     async def _handle(self, entries: list[tuple[bytes, bytes, dict[str, Any]]],
                       placed: list[Any] | None = None) -> None:
         now = time.time()
-        pipe = self.r.pipeline(transaction=False)
+        # A transaction: the ranks' blocked reads see the inbox writes and the wake-up
+        # notice together (shared/wake.py).
+        pipe = self.r.pipeline(transaction=True)
         acks: list[bytes] = []
         for i, (_, eid, doc) in enumerate(entries):
             kind = doc.get("k")
@@ -224,7 +231,16 @@ class SchedulerService:
                 acks.append(eid)
         if acks:
             pipe.xack(self.keys.requests, K.SCHEDULER_GROUP, *acks)
+        self._post_wake(pipe)
+        if trace.ENABLED:
+            trace.mark("sched_sent")
         await pipe.execute()
+
+    def _post_wake(self, pipe: Any) -> None:
+        """With the inbox writes: wake the group if it sleeps (shared/wake.py)."""
+        if self._dispatching:
+            wake_if_paused(pipe, self.keys)
+        self._dispatching = False
 
     def _emit(self, pipe: Any, req: Request, a: Assignment, now: float) -> None:
         req.rank = a.rank
@@ -232,6 +248,7 @@ class SchedulerService:
         req.batch_counts = list(a.batch_counts) if a.batch_counts else None
         req.dispatcher = a.dispatcher or "scheduler"
         req.dispatch_seq = a.seq
+        self._dispatching = True
         if getattr(self, "metrics", None) is not None:
             self.metrics.on_dispatch(a, req, now)
         pipe.xadd(self.keys.inbox(a.rank), {FIELD: dumps(req.to_dict())})
@@ -285,10 +302,11 @@ class SchedulerService:
         released = self.policy.poll(time.time())
         if released:
             now = time.time()
-            pipe = self.r.pipeline(transaction=False)
+            pipe = self.r.pipeline(transaction=True)   # with the wake-up (shared/wake.py)
             acks = [self._release(pipe, a, now) for a in released]
             self._record_batches(pipe, released)
             pipe.xack(self.keys.requests, K.SCHEDULER_GROUP, *acks)
+            self._post_wake(pipe)
             await pipe.execute()
 
     def _record_batches(self, pipe: Any, released: list[Assignment]) -> None:
