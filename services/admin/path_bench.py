@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import orjson
+from shared import trace
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -39,6 +40,8 @@ async def measure_ttft(url: str, samples: int, model: str = "lockstep-moe") -> l
     out: list[float] = []
     try:
         for i in range(samples + 5):
+            if trace.ENABLED:
+                trace.mark("client_sent")
             t0 = time.perf_counter()
             writer.write(wire)
             first = None
@@ -46,6 +49,8 @@ async def measure_ttft(url: str, samples: int, model: str = "lockstep-moe") -> l
                 line = await reader.readline()
                 if first is None and line.startswith(b"data: {") and b'"text":""' not in line:
                     first = time.perf_counter() - t0
+                    if trace.ENABLED:
+                        trace.mark("client_first")
                 if line.startswith(b"data: [DONE]"):
                     await reader.readuntil(b"0\r\n\r\n")   # the terminating chunk
                     break
@@ -92,9 +97,8 @@ async def measure_rps(url: str, requests: int, concurrency: int, model: str = "l
             writer.close()
 
     t0 = time.perf_counter()
-    if True:
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
     return {"requests": requests, "concurrency": concurrency, "errors": errors, "wall_s": round(wall, 3),
             "req_per_s": round(requests / wall, 1), "latency_p50_ms": round(_pct(lat, 50), 2),
             "latency_p99_ms": round(_pct(lat, 99), 2)}
@@ -106,3 +110,54 @@ def run(url: str, samples: int, requests: int, concurrency: int) -> dict[str, An
     return {"ttft_added_ms": {"p50": round(statistics.median(ttft), 3), "p99": round(_pct(ttft, 99), 3),
                               "samples": len(ttft)},
             "sustained": rps}
+
+
+# The hops of one request, in path order (shared/trace.py marks; "R" is the rank that
+# received the request). A missing mark (e.g. no scheduler with --dispatch client) joins
+# its two neighbours into one hop.
+PATH_MARKS = ["client_sent", "http_in", "submit_sent", "sched_read", "sched_sent", "rank_wake:R", "step_start:R",
+              "step_synced:R", "publish_sent:R", "api_read", "sse_first", "client_first"]
+HOP_NAMES = {
+    ("client_sent", "http_in"): "client -> api handler (HTTP, ASGI)",
+    ("http_in", "submit_sent"): "api: parse, admit",
+    ("submit_sent", "sched_read"): "api -> Redis -> scheduler",
+    ("sched_read", "sched_sent"): "scheduler: policy, pipeline",
+    ("sched_sent", "rank_wake:R"): "scheduler -> Redis -> rank (wake)",
+    ("submit_sent", "rank_wake:R"): "api -> Redis -> rank (wake)",
+    ("rank_wake:R", "step_start:R"): "rank: admit, schedule",
+    ("step_start:R", "step_synced:R"): "step collective (all ranks)",
+    ("step_synced:R", "publish_sent:R"): "forward (zero time), postprocess",
+    ("publish_sent:R", "api_read"): "rank -> Redis -> api",
+    ("api_read", "sse_first"): "api: route delta, SSE chunk",
+    ("sse_first", "client_first"): "api -> client",
+}
+
+
+def breakdown(trace_dir: str, skip: int = 5) -> list[dict[str, Any]]:
+    """p50 of each hop over the TTFT probes, from the marks the processes wrote."""
+    import glob
+
+    marks: list[tuple[float, str]] = []
+    for path in glob.glob(f"{trace_dir}/*.trace"):
+        with open(path) as f:
+            marks.extend((float(t), name) for t, name in (line.split() for line in f if line.strip()))
+    marks.sort()
+    probes: list[dict[str, float]] = []
+    for t, name in marks:
+        if name == "client_sent":
+            probes.append({name: t})
+        elif probes and name not in probes[-1]:
+            probes[-1][name] = t
+    hops: dict[tuple[str, str], list[float]] = {}
+    for p in probes[skip:]:
+        woke = [k.split(":")[1] for k in p if k.startswith("rank_wake:")]
+        if "client_first" not in p or not woke:
+            continue
+        seen = [(m, p[m.replace(":R", ":" + woke[0])]) for m in PATH_MARKS if m.replace(":R", ":" + woke[0]) in p]
+        for (a, ta), (b, tb) in zip(seen, seen[1:]):
+            hops.setdefault((a, b), []).append((tb - ta) * 1000)
+    out = []
+    for (a, b), xs in hops.items():
+        out.append({"hop": HOP_NAMES.get((a, b), f"{a} -> {b}"), "p50_ms": round(statistics.median(xs), 3),
+                    "samples": len(xs)})
+    return out

@@ -1,9 +1,10 @@
 """The api-server's side of Redis: submit requests, route token deltas back to the
 waiting HTTP handlers, abort requests whose client went away.
 
-Writes from concurrent handlers are coalesced: everything submitted in one event-loop
-turn goes out in one pipelined round trip, so a burst costs a few round trips, not one
-per request.
+Writes from concurrent handlers are coalesced: one pipelined round trip is in flight at
+a time; a write with none in flight starts one at once (no added latency when idle),
+writes that arrive meanwhile go out together in the next, so a burst costs a few round
+trips, not one per request.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from shared.bus import decode_entries, server_run_id
 from shared.messages import FIELD, Abort, Delta, Request, dumps
 from shared.policy.base import RequestInfo
 from shared.stats import Snapshot
+from shared.wake import wake_if_paused
+from shared import trace
 
 
 class RequestChannel:
@@ -77,7 +80,7 @@ class Gateway:
         self.channels: dict[str, RequestChannel] = {}
         self.rank_of: dict[str, int] = {}
         self._writes: list[tuple[str, bytes, str | None]] = []
-        self._flush_pending = False
+        self._flusher: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self.num_ranks = 1
         self.redis_ok = True
@@ -98,6 +101,8 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self._follow_snapshots()))
 
     async def stop(self) -> None:
+        if self._flusher is not None:
+            self._tasks.append(self._flusher)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -143,18 +148,29 @@ class Gateway:
 
     def _enqueue(self, stream: str, blob: bytes, rid: str | None) -> None:
         self._writes.append((stream, blob, rid))
-        if not self._flush_pending:
-            self._flush_pending = True
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush()))
+        if self._flusher is None:
+            self._flusher = asyncio.ensure_future(self._flush_all())
 
-    async def _flush(self) -> None:
-        self._flush_pending = False
-        writes, self._writes = self._writes, []
-        if not writes:
-            return
-        pipe = self.r.pipeline(transaction=False)
+    async def _flush_all(self) -> None:
+        try:
+            while self._writes:
+                writes, self._writes = self._writes, []
+                await self._flush(writes)
+        finally:
+            self._flusher = None
+
+    async def _flush(self, writes: list[tuple[str, bytes, str | None]]) -> None:
+        if trace.ENABLED:
+            trace.mark("submit_sent")
+        # Client dispatch writes inboxes: in a transaction with the wake-up of a sleeping
+        # engine group, which the ranks then read together (shared/wake.py).
+        to_inbox = self.client_dispatch and any(rid is not None and stream != self.keys.requests
+                                                for stream, _, rid in writes)
+        pipe = self.r.pipeline(transaction=to_inbox)
         for stream, blob, _ in writes:
             pipe.xadd(stream, {FIELD: blob})
+        if to_inbox:
+            wake_if_paused(pipe, self.keys)
         try:
             await pipe.execute()
             self.redis_ok = True
@@ -194,6 +210,8 @@ class Gateway:
                 if doc.get("k") == "resume":
                     self._resume(doc.get("ids", ()))
                     continue
+                if trace.ENABLED:
+                    trace.mark("api_read")
                 for raw in doc.get("ds", ()):
                     d = Delta.from_dict(raw)
                     ch = self.channels.get(d.id)
