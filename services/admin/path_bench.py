@@ -104,6 +104,38 @@ async def measure_rps(url: str, requests: int, concurrency: int, model: str = "l
             "latency_p99_ms": round(_pct(lat, 99), 2)}
 
 
+async def calibrate(redis_url: str, samples: int = 200) -> dict[str, float]:
+    """What one hop costs on this host, for reading the figures above elsewhere: a Redis
+    round trip (PING, back to back) and the wake-up of a reader blocked in XREAD by an
+    XADD from another connection after an idle gap (what every hop of the path pays)."""
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis.from_url(redis_url)
+    reader_conn = aioredis.Redis.from_url(redis_url)
+    key = f"lockstep:calibrate:{time.time_ns()}"
+    try:
+        pings = []
+        for _ in range(samples):
+            t0 = time.perf_counter()
+            await r.ping()
+            pings.append((time.perf_counter() - t0) * 1e6)
+        wakes = []
+        last = "$"
+        for _ in range(samples // 2):
+            read = asyncio.ensure_future(reader_conn.xread({key: last}, block=2000))
+            await asyncio.sleep(0.005)   # the reader is blocked and the host idles, as between requests
+            t0 = time.perf_counter()
+            await r.xadd(key, {"t": "1"})
+            resp = await read
+            wakes.append((time.perf_counter() - t0) * 1e6)
+            last = resp[0][1][-1][0]
+        return {"redis_ping_us": round(statistics.median(pings), 1), "xadd_to_xread_wake_us": round(statistics.median(wakes), 1)}
+    finally:
+        await r.delete(key)
+        await r.aclose()
+        await reader_conn.aclose()
+
+
 def run(url: str, samples: int, requests: int, concurrency: int) -> dict[str, Any]:
     ttft = asyncio.run(measure_ttft(url, samples))
     rps = asyncio.run(measure_rps(url, requests, concurrency))
