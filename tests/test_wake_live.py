@@ -7,6 +7,7 @@
    rank that finds the work wakes the group itself: slower, still correct.
 3. Work admitted straight from the wake-up read is claimed afterwards: one-step requests,
    one at a time and in bursts, leave nothing pending in any inbox.
+4. The wake script itself, against the real server: one notice per pause, none otherwise.
 """
 
 from __future__ import annotations
@@ -116,5 +117,30 @@ async def test_work_admitted_at_wake_up_is_claimed_and_acked(cluster: Cluster):
                     return False
             return True
         assert await wait_until(nothing_pending, timeout=20)
+    finally:
+        await r.aclose()
+
+
+async def test_wake_script_writes_one_notice_only_while_the_group_sleeps(redis_url: str, namespace: str):
+    """WAKE_IF_PAUSED against the real server: a notice for the recorded wave, in the same
+    transaction as the inbox write, then nothing until the group pauses again."""
+    from shared.wake import wake_if_paused
+    keys = Keys(namespace)
+    r = aioredis.Redis.from_url(redis_url)
+    try:
+        async def dispatch() -> None:
+            pipe = r.pipeline(transaction=True)
+            pipe.xadd(keys.inbox(0), {FIELD: b"{}"})
+            wake_if_paused(pipe, keys)
+            await pipe.execute()
+
+        await dispatch()                       # the group runs: no notice
+        assert await r.xlen(keys.wave) == 0
+        await r.set(keys.paused, 7)            # rank 0: paused, wave 7 is next
+        await dispatch()
+        await dispatch()                       # already woken: no second notice
+        notices = [orjson.loads(f[FIELD]) for _, f in await r.xrange(keys.wave)]
+        assert notices == [{"w": 7, "r": -1}]
+        assert await r.get(keys.paused) is None
     finally:
         await r.aclose()

@@ -215,10 +215,11 @@ def create_app(settings: ApiServerSettings) -> Any:
         return await _complete(request, p, ch, gw, rid, created)
 
     async def _wait(ch: RequestChannel, deadline: float) -> None:
-        if deadline <= time.monotonic():
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise TimeoutError
-        async with asyncio.timeout_at(asyncio.get_running_loop().time() + deadline - time.monotonic()):
-            await ch.event.wait()   # (a timeout scope, not wait_for: no task per wake-up)
+        async with asyncio.timeout(left):   # a timeout scope, not wait_for: no task per wake-up
+            await ch.event.wait()
         ch.event.clear()
 
     async def _complete(request: HttpRequest, p: ParsedRequest, ch: RequestChannel, gw: Gateway,
