@@ -65,6 +65,11 @@ class BodyLimit:
         await resp(scope, receive, send)
 
 
+def _internal_error(log: Any, exc: Exception) -> Response:
+    log.error("unhandled_error", error=repr(exc))
+    return error_response(500, "internal error; the request was not completed")
+
+
 class HotPaths:
     """Pure ASGI front: the generation endpoints go straight to their handler, past
     FastAPI's routing, dependency and exception layers (a third of the api-server's CPU
@@ -80,9 +85,8 @@ class HotPaths:
             if handler is not None:
                 try:
                     response = await handler(HttpRequest(scope, receive))
-                except Exception as exc:  # noqa: BLE001 - as FastAPI's 500 handler would
-                    self.log.error("unhandled_error", error=repr(exc))
-                    response = error_response(500, "internal error; the request was not completed")
+                except Exception as exc:  # noqa: BLE001 - as FastAPI's 500 handler does
+                    response = _internal_error(self.log, exc)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -133,8 +137,7 @@ def create_app(settings: ApiServerSettings) -> Any:
 
     @app.exception_handler(Exception)
     async def _crash(_: HttpRequest, exc: Exception) -> Response:
-        log.error("unhandled_error", error=repr(exc))
-        return error_response(500, "internal error; the request was not completed")
+        return _internal_error(log, exc)
 
     def check_auth(request: HttpRequest) -> None:
         if not settings.api_keys:
