@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 
 import httpx
@@ -142,8 +143,8 @@ def test_rank_killed_mid_run_loses_nothing(tmp_path):
     """SIGKILL one engine-worker while 200 streams run: every stream completes with exactly
     its tokens, and (sim backend) the text equals the fault-free output."""
     import json
-    import signal
 
+    from services.admin.fault_inject import kill_rank_mid_decode
     from shared.tokenizer import encode
     from tests.helpers import sim_expected_text
 
@@ -151,8 +152,6 @@ def test_rank_killed_mid_run_loses_nothing(tmp_path):
     try:
         victim = json.loads(cluster.cli("status", "--json").stdout)["ranks"][2]["pid"]
         client = openai.AsyncOpenAI(base_url=cluster.api_url, api_key="x", max_retries=0, timeout=180)
-        started = asyncio.Event()
-        streaming: set[int] = set()
         n_tokens = 200
 
         async def one(i: int):
@@ -164,21 +163,22 @@ def test_rank_killed_mid_run_loses_nothing(tmp_path):
             async for c in stream:
                 if c.choices and c.choices[0].text:
                     parts.append(c.choices[0].text)
-                    streaming.add(i)
-                    if len(streaming) >= 150:   # most streams are mid-flight: now kill a rank
-                        started.set()
                 if c.usage:
                     usage = c.usage
             return i, "".join(parts), usage
 
-        async def kill_when_busy():
-            await asyncio.wait_for(started.wait(), 120)
-            os.kill(victim, signal.SIGKILL)
-
         async def main():
-            return await asyncio.gather(kill_when_busy(), *(one(i) for i in range(200)))
+            return await asyncio.gather(*(one(i) for i in range(200)))
 
-        _, *results = asyncio.run(asyncio.wait_for(main(), 240))
+        # Killed once most of its requests are mid-decode (their tokens partly streamed):
+        # from a thread, on the rank's own step reports, so a lagging client cannot delay it.
+        killed: list[float | None] = []
+        killer = threading.Thread(target=lambda: killed.append(kill_rank_mid_decode(
+            cluster.redis_url, cluster.namespace, 2, victim, min_running=30, max_tokens=n_tokens)), daemon=True)
+        killer.start()
+        results = asyncio.run(asyncio.wait_for(main(), 240))
+        killer.join(5)
+        assert killed and killed[0] is not None, "the victim never had its requests mid-decode"
         assert len(results) == 200
         for i, text, usage in results:
             assert usage is not None and usage.completion_tokens == n_tokens, (i, usage)

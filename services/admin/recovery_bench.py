@@ -19,16 +19,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 
+from services.admin.fault_inject import kill_rank_mid_decode
 from shared.redis_server import free_port
 
 
-def _start(ranks: int, state: str, port: int) -> subprocess.Popen:
+def _start(ranks: int, state: str, port: int) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "LOCKSTEP_STATE_DIR": state}
     env.pop("LOCKSTEP_REDIS_URL", None)
     proc = subprocess.Popen([sys.executable, "-m", "services.admin.cli", "up", "--backend", "sim", "--ranks", str(ranks),
@@ -37,19 +39,16 @@ def _start(ranks: int, state: str, port: int) -> subprocess.Popen:
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("REDIS_URL="):
-            return proc
+            return proc, line.split("=", 1)[1].strip()
     raise SystemExit("cluster did not start")
 
 
-async def _run(url: str, n: int, tokens: int, victim: int | None) -> dict[str, Any]:
+async def _run(url: str, n: int, tokens: int) -> dict[str, Any]:
     """Streams over raw HTTP/1.1 connections: a general-purpose client with 200 streams in
     one process stalls on its own (seconds), which would be mistaken for the server's."""
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
-    started: set[int] = set()
-    go = asyncio.Event()
-    kill_t = 0.0
 
     async def one(i: int) -> dict[str, Any]:
         body = json.dumps({"model": "lockstep-moe", "prompt": f"recovery {i}", "max_tokens": tokens, "seed": i,
@@ -71,26 +70,15 @@ async def _run(url: str, n: int, tokens: int, victim: int | None) -> dict[str, A
                 count = doc["usage"]["completion_tokens"]
             if doc.get("choices") and doc["choices"][0].get("text"):
                 times.append(time.monotonic())
-                started.add(i)
-                if len(started) >= n * 3 // 4:
-                    go.set()
         writer.close()
         gaps = [b - a for a, b in zip(times, times[1:])]
         return {"ttft": times[0] - t0 if times else None, "max_gap": max(gaps, default=0.0), "tokens": count,
                 "end": times[-1] if times else t0}
 
-    async def killer() -> None:
-        nonlocal kill_t
-        if victim is None:
-            return
-        await asyncio.wait_for(go.wait(), 120)
-        kill_t = time.time()
-        os.kill(victim, signal.SIGKILL)
-
     t0 = time.monotonic()
-    _, *res = await asyncio.gather(killer(), *(one(i) for i in range(n)))
+    res = await asyncio.gather(*(one(i) for i in range(n)))
     wall = max(r["end"] for r in res) - t0
-    return {"results": res, "wall": wall, "kill_t": kill_t}
+    return {"results": res, "wall": wall}
 
 
 def _log_times(log_dir: Path, event: str) -> list[float]:
@@ -109,13 +97,24 @@ def _log_times(log_dir: Path, event: str) -> list[float]:
 def measure(ranks: int, n: int, tokens: int, kill: bool) -> dict[str, Any]:
     state = tempfile.mkdtemp(prefix="lockstep-rec-")
     port = free_port()
-    up = _start(ranks, state, port)
+    up, redis_url = _start(ranks, state, port)
     try:
         status = json.loads(subprocess.run([sys.executable, "-m", "services.admin.cli", "status", "--json", "-n", "rec"],
                                            capture_output=True, text=True, env={**os.environ, "LOCKSTEP_STATE_DIR": state},
                                            check=True).stdout)
-        victim = status["ranks"][ranks - 1]["pid"] if kill else None
-        run = asyncio.run(_run(f"http://127.0.0.1:{port}/v1", n, tokens, victim))
+        killed: list[float | None] = []
+        if kill:
+            # On the victim's own step reports, once most of its share is mid-decode.
+            victim = status["ranks"][ranks - 1]["pid"]
+            killer = threading.Thread(target=lambda: killed.append(kill_rank_mid_decode(
+                redis_url, "rec", ranks - 1, victim, min_running=n // ranks * 3 // 4, max_tokens=tokens)), daemon=True)
+            killer.start()
+        run = asyncio.run(_run(f"http://127.0.0.1:{port}/v1", n, tokens))
+        if kill:
+            killer.join(5)
+            if not killed or killed[0] is None:
+                raise SystemExit("the victim rank never had most of its requests mid-decode; nothing was measured")
+            run["kill_t"] = killed[0]
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(60)
