@@ -1,9 +1,15 @@
 """The step collective over real torch.distributed (gloo) between processes: every rank
-gets every rank's row, in rank order, step after step."""
+gets every rank's row, in rank order, step after step; when a rank dies, every survivor
+learns it at once, not at its collective timeout."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+from typing import Any
 
 import pytest
 
@@ -49,3 +55,59 @@ def test_a_row_of_the_wrong_width_is_a_local_error():
     from services.engine_worker.lockstep import LockstepGroup
     with pytest.raises(ValueError):
         LockstepGroup(0, 1).exchange([1, 2, 3])
+
+
+KILL_WORLD = 4
+KILL_TIMEOUT_S = 60
+
+
+def _rank_until_broken(rank: int, port: int, out: "mp.Queue", done: Any) -> None:
+    from services.engine_worker.lockstep import FIELDS, GroupBroken, LockstepGroup
+    group = LockstepGroup.init(rank, KILL_WORLD, "127.0.0.1", port, timeout_s=KILL_TIMEOUT_S)
+    out.put(("up", rank, os.getpid()))
+    try:
+        while True:
+            if rank == 0:
+                # Rank 0 computes while the others wait: the death is found by rank 2's
+                # neighbours first, and rank 0 then blocks on one of them, not on rank 2.
+                time.sleep(0.2)
+            group.exchange([rank] * FIELDS)
+    except GroupBroken:
+        # Close inside the except block, as a worker naturally would: the group must still
+        # be freed, so peers waiting on this rank fail now.
+        group.close()
+        out.put(("broken", rank, time.time()))
+        done.wait(KILL_TIMEOUT_S * 2)   # alive, as a worker waiting to re-form: exiting would close the sockets
+
+
+def test_every_survivor_learns_of_a_dead_rank_at_once():
+    """4 ranks: the one that meets the broken group late (not wired to the dead rank)
+    learns of the death from the neighbours that left, in well under the 60 s timeout."""
+    ctx = mp.get_context("spawn")
+    out, done = ctx.Queue(), ctx.Event()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_until_broken, args=(r, port, out, done)) for r in range(KILL_WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        pids = {}
+        while len(pids) < KILL_WORLD:
+            _, rank, pid = out.get(timeout=120)
+            pids[rank] = pid
+        killed_at = time.time()
+        os.kill(pids[2], signal.SIGKILL)
+        broken: dict[int, float] = {}
+        while len(broken) < KILL_WORLD - 1:
+            try:
+                _, rank, t = out.get(timeout=KILL_TIMEOUT_S + 30)
+            except queue.Empty:
+                raise AssertionError(f"only ranks {sorted(broken)} noticed the death") from None
+            broken[rank] = t - killed_at
+    finally:
+        done.set()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert set(broken) == {0, 1, 3}
+    assert max(broken.values()) < 10, broken    # the timeout would be 60 s

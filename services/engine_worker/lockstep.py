@@ -10,8 +10,10 @@ from deadlocking (one in a collective, another asleep).
 from __future__ import annotations
 
 import datetime
+import gc
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,24 @@ F_DECODE = 7         # token alignment: decode tokens among F_TOKENS (never held
 F_MUST = 8           # token alignment: tokens this rank's prefill deadlines need this step
 F_ALIGN = 9          # token alignment enabled here (applied only when every rank has it)
 FIELDS = 10
+
+
+class GroupBroken(RuntimeError):
+    """A collective failed: a peer died, hung past the timeout, or left the group."""
+
+
+def collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run one torch.distributed collective; a failure raises GroupBroken carrying only the
+    message. The original exception's traceback holds c10d's frames, and they hold the
+    process group: while it is referenced, destroying the group leaves its connections
+    open, and a peer blocked on this rank (not wired to the dead one) waits out its whole
+    collective timeout instead of failing at once."""
+    error = None
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:
+        error = str(exc)
+    raise GroupBroken(error)
 
 
 class Action(Enum):
@@ -101,7 +121,7 @@ class LockstepGroup:
         if self.world_size == 1:
             return StepView([[int(v) for v in row]])
         mine = torch.tensor(row, dtype=torch.int64, device=self._buf.device)
-        dist.all_gather_single(self._buf.view(-1), mine)
+        collective(dist.all_gather_single, self._buf.view(-1), mine)
         return StepView(self._buf.tolist())
 
     def close(self) -> None:
@@ -112,3 +132,5 @@ class LockstepGroup:
     def close_default() -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+            # Free the group now, in case a reference cycle still holds it (see collective).
+            gc.collect()

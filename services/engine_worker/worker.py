@@ -30,7 +30,7 @@ from services.engine_worker.block_manager import BlockManager
 from services.engine_worker.membership import ClaimFailed, GroupMembership
 from services.engine_worker.batch_gate import BatchGate, batch_number
 from services.engine_worker.lockstep import (F_ALIGN, F_DECODE, F_GATE, F_GATE_HELD, F_MUST, F_RELEASE, F_TOKENS,
-                                             Action, StepView)
+                                             Action, GroupBroken, StepView)
 from services.engine_worker.step_budget import BudgetConfig, allowed, allowed_all, must_tokens, shared_budget, trim_plan
 from services.engine_worker.scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
@@ -144,7 +144,7 @@ class EngineWorker(GroupMembership):
                 # On the loop thread: a thread hop costs more than the collective, and the
                 # loop has nothing else to do meanwhile (liveness beats from its own thread).
                 view: StepView = self.group.exchange(row)
-            except RuntimeError as exc:        # a peer died or hung past the collective timeout
+            except GroupBroken as exc:         # a peer died or hung past the collective timeout
                 await self._reform(f"step collective failed: {str(exc)[:160]}")
                 continue
             self.exchange_s += time.perf_counter() - tx
@@ -176,7 +176,7 @@ class EngineWorker(GroupMembership):
             t0 = time.perf_counter()
             try:
                 sampled = await self._forward(plan, action, view)
-            except RuntimeError as exc:        # the all-to-all was cut: this step is recomputed
+            except GroupBroken as exc:         # the all-to-all was cut: this step is recomputed
                 await self._reform(f"forward collective failed: {str(exc)[:160]}")
                 continue
             outputs = self.core.postprocess(plan, sampled, time.time())

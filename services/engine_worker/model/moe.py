@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from services.engine_worker.lockstep import collective
 from services.engine_worker.model.config import MoEConfig
 from services.engine_worker.model.layers import ExpertFFN, Router
 
@@ -45,8 +46,8 @@ class AllToAll:
         if cuda:
             torch.cuda.synchronize(inp.device)
         t0 = time.perf_counter()
-        dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                               group=self.group)
+        collective(dist.all_to_all_single, out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                   group=self.group)
         if cuda:
             torch.cuda.synchronize(inp.device)
         self.seconds += time.perf_counter() - t0
