@@ -85,6 +85,16 @@ class Keys:
         """Hash: pid, host, backend and last stats of one rank."""
         return f"{self.ns}:rank:{rank}:info"
 
+    def spare(self, token: str) -> str:
+        """String with PX TTL: a hot-spare engine process waiting for a free rank slot."""
+        return f"{self.ns}:spare:{token}"
+
+    @property
+    def vacancies(self) -> str:
+        """List: ranks whose process just died (the supervisor pushes; a hot spare pops
+        and claims the slot at once instead of at its next poll)."""
+        return f"{self.ns}:vacancies"
+
     @property
     def dist(self) -> str:
         """Hash: rendezvous of the engine group (address, port, world size, generation)."""
@@ -132,6 +142,6 @@ class Keys:
             self.requests, self.inbox("{r}"), self.out("{api}"), self.req("{id}"),  # type: ignore[arg-type]
             self.step("{wave}", "{step}"), self.stats, self.snapshot, self.steps,  # type: ignore[arg-type]
             self.batch("{id}"), self.rank_alive("{r}"), self.rank_info("{r}"),  # type: ignore[arg-type]
-            self.dist, self.wave, self.paused, self.leader, self.scheduler, self.api_alive("{api}"),
+            self.spare("{token}"), self.vacancies, self.dist, self.wave, self.paused, self.leader, self.scheduler, self.api_alive("{api}"),
             self.cluster, self.drained,
         ]

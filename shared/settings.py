@@ -95,6 +95,7 @@ class SchedulerSettings(Settings):
 @dataclass
 class EngineSettings(Settings):
     rank: int = field(default=-1, metadata={"help": "DP rank; -1 claims the first free slot in Redis."})
+    spare: bool = field(default=False, metadata={"help": "Hot spare: start up, then wait (any time) for a rank slot to free and take it over at once; a dead rank is replaced without a process start."})
     ranks: int = field(default=4, metadata={"help": "DP ranks in the engine group (world size)."})
     backend: str = field(default="sim", metadata={"help": "'sim' (device cost model) or 'torch' (a real MoE)."})
     device: str = field(default="cpu", metadata={"help": "'cpu' (gloo) or 'cuda' (NCCL)."})
@@ -112,7 +113,7 @@ class EngineSettings(Settings):
     align_tokens: bool = field(default=False, metadata={"help": "Per-step token alignment: every rank caps its prefill at one shared budget (docs/benchmarks.md); applied when every rank has it."})
     align_max_delay_ms: float = field(default=300.0, metadata={"help": "Token alignment: longest a prefill may be spread out after it reached its rank."})
     gate_timeout_ms: float = field(default=100.0, metadata={"help": "Staggered batches: rank 0 releases a batch whose shares did not all arrive within this."})
-    metrics_port: int = field(default=0, metadata={"help": "Serve Prometheus metrics (lockstep_engine_*) on this port; 0 = off."})
+    metrics_port: int = field(default=0, metadata={"help": "Serve Prometheus metrics (lockstep_engine_*) on this port (a spare: this port + the rank it takes); 0 = off."})
 
 
 ALL_SETTINGS: list[type[Settings]] = [ApiServerSettings, SchedulerSettings, EngineSettings]

@@ -47,13 +47,15 @@ def test_compose_structure():
     assert str(svc["engine-worker"]["deploy"]["replicas"]).endswith(":-4}")
     assert str(svc["api-server"]["deploy"]["replicas"]).endswith(":-2}")
     assert svc["engine-worker"]["environment"]["LOCKSTEP_RANK"] == "-1"
+    assert svc["engine-spare"]["environment"]["LOCKSTEP_SPARE"] == "1"
+    assert str(svc["engine-spare"]["deploy"]["replicas"]).endswith(":-1}")
     assert [p for p in svc["api"]["ports"] if p.endswith(":8000")], "one published API port"
-    for name in ("redis", "scheduler", "engine-worker", "api-server", "api"):
+    for name in ("redis", "scheduler", "engine-worker", "engine-spare", "api-server", "api"):
         assert "healthcheck" in svc[name], name
         assert svc[name]["restart"] == "unless-stopped", name
     assert svc["init"]["restart"] == "no" and svc["init"]["command"] == ["init"]
     assert svc["scheduler"]["depends_on"]["init"]["condition"] == "service_completed_successfully"
-    for name in ("scheduler", "engine-worker", "api-server"):
+    for name in ("scheduler", "engine-worker", "engine-spare", "api-server"):
         env = svc[name]["environment"]
         assert all(k.startswith("LOCKSTEP_") for k in env), name
         assert env["LOCKSTEP_REDIS_URL"].startswith("${LOCKSTEP_REDIS_URL")

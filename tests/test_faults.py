@@ -13,6 +13,7 @@ import pytest
 
 from shared.redis_server import EmbeddedRedis, free_port
 from tests.conftest import start_cluster
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "lockstep-moe"
@@ -141,7 +142,8 @@ def test_api_keys(tmp_path):
 
 def test_rank_killed_mid_run_loses_nothing(tmp_path):
     """SIGKILL one engine-worker while 200 streams run: every stream completes with exactly
-    its tokens, and (sim backend) the text equals the fault-free output."""
+    its tokens, and (sim backend) the text equals the fault-free output. The hot spare
+    takes the dead rank over, and a new spare takes its place."""
     import json
 
     from services.admin.fault_inject import kill_rank_mid_decode
@@ -150,7 +152,10 @@ def test_rank_killed_mid_run_loses_nothing(tmp_path):
 
     cluster = start_cluster(tmp_path, "--ranks", "4", "--api-servers", "2", "--backend", "sim")
     try:
-        victim = json.loads(cluster.cli("status", "--json").stdout)["ranks"][2]["pid"]
+        before = json.loads(cluster.cli("status", "--json").stdout)
+        victim = before["ranks"][2]["pid"]
+        assert len(before["spares"]) == 1, before["spares"]   # `up` waits for its spare to be ready
+        spare = before["spares"][0]
         client = openai.AsyncOpenAI(base_url=cluster.api_url, api_key="x", max_retries=0, timeout=180)
         n_tokens = 200
 
@@ -186,9 +191,22 @@ def test_rank_killed_mid_run_loses_nothing(tmp_path):
         status = json.loads(cluster.cli("status", "--json").stdout)
         # The victim had work when it died: the scheduler resumed its requests elsewhere.
         assert status["scheduler"]["counters"].get("resumed", 0) > 0
+        # The spare process is rank 2 now; a fresh spare waits in its place.
+        assert status["ranks"][2]["pid"] == spare and status["ranks"][2]["alive"]
+        status = asyncio.run(wait_until(_with_spares(cluster), timeout=60))
+        assert spare not in status["spares"] and victim not in status["spares"]
         assert cluster.proc.poll() is None
     finally:
         cluster.stop()
+
+
+def _with_spares(cluster):
+    import json
+
+    async def check():
+        status = json.loads((await asyncio.to_thread(cluster.cli, "status", "--json")).stdout)
+        return status if status["spares"] else None
+    return check
 
 
 def test_leader_scheduler_killed_during_burst(tmp_path):
@@ -299,7 +317,8 @@ def test_rank_killed_torch_backend_no_token_missing_or_repeated(tmp_path):
     import json
     import signal
 
-    cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "torch")
+    # No spare: the dead rank's own process is started again (the path without spares).
+    cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "torch", "--spares", "0")
     try:
         n, tokens = 8, 48
 

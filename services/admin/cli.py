@@ -50,6 +50,9 @@ def up(
                                            "at one shared budget; see docs/benchmarks.md)."),
     schedulers: int = typer.Option(1, "--schedulers", min=1,
                                    help="Scheduler processes: one leads, the others stand by and take over."),
+    spares: int = typer.Option(1, "--spares", min=0,
+                               help="Hot-spare engine processes: started and waiting, one takes over a dead "
+                                    "rank at once (0: a dead rank's process is started again instead)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
 ) -> None:
     """Start a local cluster: Redis (embedded unless --redis-url), scheduler, engine ranks, api-servers."""
@@ -67,7 +70,7 @@ def up(
         _fail(f"a local cluster already runs in namespace {namespace!r}; stop it first or use --namespace", 2)
     opts = UpOptions(ranks=ranks, api_servers=api_servers, port=port, host=host, backend=backend, policy=policy,
                      dispatch=dispatch, namespace=namespace, redis_url=redis_url, persist_dir=persist,
-                     time_scale=time_scale, log_level=log_level, schedulers=schedulers,
+                     time_scale=time_scale, log_level=log_level, schedulers=schedulers, spares=spares,
                      extra_env={**({"LOCKSTEP_MAX_WAIT_MS": f"{max_wait_ms:g}"} if max_wait_ms is not None else {}),
                                 **({"LOCKSTEP_ALIGN_TOKENS": "1"} if align_tokens else {})})
     cluster = LocalCluster(opts, out=lambda m: typer.echo(m, err=True))

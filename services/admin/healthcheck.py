@@ -3,7 +3,8 @@
 - ``scheduler``: Redis answers and some scheduler holds the leadership lease (a standby
   is healthy while another one leads).
 - ``engine``: Redis answers and a rank slot whose heartbeat is alive was claimed from
-  this host (``<ns>:rank:{r}:info`` host == this container's hostname).
+  this host (``<ns>:rank:{r}:info`` host == this container's hostname), or this host's
+  hot spare is waiting for one (``<ns>:spare:*`` value ``pid@host``).
 
 Settings (Redis URL, namespace, ranks) come from the same LOCKSTEP_* variables as the
 service. Exit 0 when healthy, 1 with one line on stderr when not.
@@ -38,7 +39,10 @@ async def check(role: str) -> str | None:
             for i in range(s.ranks):
                 if res[2 * i] == host.encode() and res[2 * i + 1]:
                     return None
-            return f"no live rank slot claimed from host {host}"
+            spares = [key async for key in r.scan_iter(match=k.spare("*"), count=1000)]
+            if spares and any(v and v.split(b"@", 1)[-1] == host.encode() for v in await r.mget(spares)):
+                return None
+            return f"no live rank slot claimed from host {host}, and no hot spare waiting there"
         return f"unknown role {role!r} (scheduler or engine)"
     finally:
         await r.aclose()

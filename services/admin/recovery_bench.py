@@ -4,7 +4,8 @@ Starts a sim cluster, runs N streaming requests, SIGKILLs one engine-worker whil
 streams are mid-flight, and reports from the client side and the services' logs:
 - detect: kill -> first survivor leaves the broken group (collective error);
 - resumed: kill -> the scheduler hands the dead rank's requests back to their api-servers;
-- re-formed: kill -> the group runs again with the replacement rank;
+- re-formed: kill -> the group runs again with the replacement rank (a hot spare, or with
+  ``--spares 0`` the dead rank's process started again);
 - stall: the longest gap between two tokens of a resumed stream (what its client saw),
   and TTFT / output tokens/s over the run, against the same run without the kill.
 """
@@ -30,11 +31,11 @@ from services.admin.fault_inject import kill_rank_mid_decode
 from shared.redis_server import free_port
 
 
-def _start(ranks: int, state: str, port: int) -> tuple[subprocess.Popen, str]:
+def _start(ranks: int, state: str, port: int, spares: int) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "LOCKSTEP_STATE_DIR": state}
     env.pop("LOCKSTEP_REDIS_URL", None)
     proc = subprocess.Popen([sys.executable, "-m", "services.admin.cli", "up", "--backend", "sim", "--ranks", str(ranks),
-                             "--api-servers", "2", "--port", str(port), "--namespace", "rec"],
+                             "--api-servers", "2", "--port", str(port), "--namespace", "rec", "--spares", str(spares)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -94,10 +95,10 @@ def _log_times(log_dir: Path, event: str) -> list[float]:
     return sorted(out)
 
 
-def measure(ranks: int, n: int, tokens: int, kill: bool) -> dict[str, Any]:
+def measure(ranks: int, n: int, tokens: int, kill: bool, spares: int = 1) -> dict[str, Any]:
     state = tempfile.mkdtemp(prefix="lockstep-rec-")
     port = free_port()
-    up, redis_url = _start(ranks, state, port)
+    up, redis_url = _start(ranks, state, port, spares)
     try:
         status = json.loads(subprocess.run([sys.executable, "-m", "services.admin.cli", "status", "--json", "-n", "rec"],
                                            capture_output=True, text=True, env={**os.environ, "LOCKSTEP_STATE_DIR": state},
@@ -145,15 +146,18 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--spares", type=int, default=1,
+                    help="hot spares (`lockstep up --spares`); 0: the dead rank's process is started again")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    res = {"baseline": measure(a.ranks, a.requests, a.tokens, kill=False),
-           "rank_killed": measure(a.ranks, a.requests, a.tokens, kill=True)}
+    res = {"baseline": measure(a.ranks, a.requests, a.tokens, kill=False, spares=a.spares),
+           "rank_killed": measure(a.ranks, a.requests, a.tokens, kill=True, spares=a.spares)}
     if a.json:
         print(json.dumps(res))
         return
     b, k = res["baseline"], res["rank_killed"]
-    print(f"rank death with {a.ranks} ranks, {a.requests} streams x {a.tokens} tokens (sim backend):")
+    print(f"rank death with {a.ranks} ranks, {a.spares} hot spare(s), {a.requests} streams x {a.tokens} tokens "
+          f"(sim backend):")
     print(f"  detected after {k['detect_s']} s, requests resumed after {k['resumed_s']} s, "
           f"group re-formed after {k['reformed_s']} s")
     print(f"  completed exactly: {k['completed_exact']}/{a.requests} (baseline {b['completed_exact']}/{a.requests})")

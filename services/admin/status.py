@@ -29,6 +29,9 @@ async def collect(url: str, namespace: str) -> dict[str, Any]:
         pipe.xlen(k.requests)
         pipe.smembers(k.drained)
         res = await pipe.execute(raise_on_error=False)
+        spare_keys = [key async for key in r.scan_iter(match=k.spare("*"), count=1000)]
+        # value: "pid@host"
+        spares = sorted(int(v.split(b"@")[0]) for v in await r.mget(spare_keys) if v) if spare_keys else []
     finally:
         await r.aclose()
     ranks = []
@@ -56,6 +59,7 @@ async def collect(url: str, namespace: str) -> dict[str, Any]:
         "queues": {"requests": req_len if isinstance(req_len, int) else 0},
         "drained": sorted(int(x) for x in drained) if isinstance(drained, set) else [],
         "ranks": ranks,
+        "spares": spares,   # pids of hot-spare engine processes waiting to take a rank
         "snapshot": {"wave": snapshot["wave"], "step": snapshot["step"], "seq": snapshot["seq"],
                      "age_s": round(time.time() - snapshot["t"], 3)} if snapshot else None,
     }
@@ -83,5 +87,6 @@ def render(data: dict[str, Any]) -> Any:
     tail = Text(f"scheduler: leader {s.get('leader') or 'NONE'}; dispatched {s['counters'].get('dispatched', 0)}; "
                 f"requests stream {data['queues']['requests']} entries; "
                 + (f"snapshot wave {snap['wave']} step {snap['step']} ({snap['age_s']}s ago)" if snap else "no snapshot yet")
-                + (f"; drained ranks {data['drained']}" if data["drained"] else ""))
+                + (f"; drained ranks {data['drained']}" if data["drained"] else "")
+                + f"; hot spares ready: {len(data['spares'])}")
     return Group(head, t, tail)

@@ -43,6 +43,7 @@ class UpOptions:
     log_level: str = "info"
     ready_timeout_s: float = 180.0
     schedulers: int = 1
+    spares: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -66,6 +67,8 @@ class LocalCluster:
         self.redis: EmbeddedRedis | None = None
         self.url = ""
         self.children: list[Child] = []
+        self.spare_env: dict[str, str] = {}
+        self.spares_started = 0
         self.log_dir = Path(opts.log_dir or (local_state.state_dir() / opts.namespace / "logs"))
 
     # ------------------------------------------------------------------ start
@@ -105,6 +108,11 @@ class LocalCluster:
             self._spawn(f"scheduler-{i}", ["scheduler"], env)
         for i in range(o.ranks):
             self._spawn(f"engine-{i}", ["engine-worker"], {**env, "LOCKSTEP_RANK": str(i), **port_env(1 + i)})
+        # Hot spares (they take only slots of a group that formed, never a starting rank's);
+        # a spare serves metrics on base + the rank it takes.
+        self.spare_env = {**env, "LOCKSTEP_SPARE": "1", **port_env(1)}
+        for _ in range(o.spares):
+            self._spawn_spare()
         for i in range(o.api_servers):
             self._spawn(f"api-{i}", ["api-server"], {**env, "LOCKSTEP_API_ID": f"api{i}"})
         self._wait_ready()
@@ -150,6 +158,10 @@ class LocalCluster:
         log = self.log_dir / f"{role}.log"
         self.children.append(Child(role, self._popen(args, env, log), log, args, env))
 
+    def _spawn_spare(self) -> None:
+        self.spares_started += 1
+        self._spawn(f"spare-{self.spares_started}", ["engine-worker"], self.spare_env)
+
     @staticmethod
     def _popen(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         fh = open(log, "ab")
@@ -160,32 +172,57 @@ class LocalCluster:
         finally:
             fh.close()
 
-    def _restart(self, c: Child) -> bool:
-        """Start a dead child again (a replacement rank re-joins the engine group and the
-        scheduler resumes the dead one's requests); give up if it keeps dying."""
+    def _restart(self, c: Child, code: int) -> bool:
+        """Replace a dead child; give up if it keeps dying. An engine process's slot is
+        freed at once and announced, so a hot spare takes the rank over (the scheduler
+        resumes the dead one's requests meanwhile); a fresh spare is started in its
+        place. Without spares the process starts again for its own rank."""
         now = time.monotonic()
         c.restarts = [t for t in c.restarts if now - t < 60] + [now]
         if len(c.restarts) > MAX_RESTARTS_PER_MIN:
             return False
-        if c.role.startswith("engine-"):
-            dead_pid = c.proc.pid
+        engine = c.role.startswith(("engine-", "spare-"))
+        rank = None
+        if engine:
             try:
-                asyncio.run(self._release_rank(int(c.env["LOCKSTEP_RANK"]), dead_pid))
+                rank = asyncio.run(self._release_rank(c.proc.pid))
             except Exception:  # noqa: BLE001 - the heartbeat TTL frees the slot anyway
                 pass
+        if engine and self.o.spares > 0:
+            self.children.remove(c)
+            self._spawn_spare()
+            held = f"a hot spare takes rank {rank}; " if rank is not None else ""
+            self.out(f"lockstep: {c.role} exited with code {code}; {held}started "
+                     f"{self.children[-1].role} in its place. Log: {c.log}")
+            self.children[-1].restarts = c.restarts
+            return True
         c.proc = self._popen(c.args, c.env, c.log)
+        self.out(f"lockstep: {c.role} exited with code {code}; restarted it. Log: {c.log}")
         return True
 
-    async def _release_rank(self, rank: int, dead_pid: int) -> None:
-        """The supervisor saw the rank's process die: free its slot now instead of waiting
-        for the heartbeat to lapse, so the scheduler resumes its requests and the
-        replacement claims the slot at once (without a supervisor the TTL does this)."""
+    async def _release_rank(self, dead_pid: int) -> int | None:
+        """The supervisor saw an engine process die: free the slot it held now instead of
+        waiting for its heartbeat to lapse, and announce it (a hot spare pops the list and
+        claims the slot at once; the scheduler resumes the requests as the rank leaves).
+        Returns the rank it held, if any (a spare holds none)."""
         k = K.Keys(self.o.namespace)
         r = connect(self.url, timeout_s=2.0)
         try:
-            info = await r.hgetall(k.rank_info(rank))
-            if int(info.get(b"pid", 0) or 0) == dead_pid and await r.get(k.rank_alive(rank)) == info.get(b"token"):
-                await r.delete(k.rank_alive(rank))
+            pipe = r.pipeline(transaction=False)
+            for rank in range(self.o.ranks):
+                pipe.hmget(k.rank_info(rank), ["pid", "token"])
+                pipe.get(k.rank_alive(rank))
+            res = await pipe.execute()
+            for rank in range(self.o.ranks):
+                (pid, token), alive = res[2 * rank], res[2 * rank + 1]
+                if int(pid or 0) == dead_pid and token is not None and alive == token:
+                    pipe = r.pipeline(transaction=True)
+                    pipe.delete(k.rank_alive(rank))
+                    pipe.lpush(k.vacancies, rank)
+                    pipe.ltrim(k.vacancies, 0, 63)
+                    await pipe.execute()
+                    return rank
+            return None
         finally:
             await r.aclose()
 
@@ -217,10 +254,11 @@ class LocalCluster:
                 pipe.hget(k.rank_info(i), "ready")
             pipe.exists(k.leader)
             res = await pipe.execute()
+            spares = [key async for key in r.scan_iter(match=k.spare("*"), count=1000)]
         finally:
             await r.aclose()
-        # A rank is ready once its engine group formed.
-        return all(res[:-1]), bool(res[-1])
+        # A rank is ready once its engine group formed; a spare once it waits for a slot.
+        return all(res[:-1]) and len(spares) >= self.o.spares, bool(res[-1])
 
     def _check_children(self) -> None:
         for c in self.children:
@@ -241,13 +279,11 @@ class LocalCluster:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, on_signal)
         while stop["sig"] is None:
-            for c in self.children:
+            for c in list(self.children):
                 code = c.proc.poll()
                 if code is None:
                     continue
-                if self._restart(c):
-                    self.out(f"lockstep: {c.role} exited with code {code}; restarted it. Log: {c.log}")
-                else:
+                if not self._restart(c, code):
                     self.out(f"lockstep: {c.role} keeps exiting ({MAX_RESTARTS_PER_MIN} times in a minute); "
                              f"stopping the cluster. Log: {c.log}")
                     self.stop()
@@ -258,8 +294,9 @@ class LocalCluster:
         return 0
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        # api-servers first (no new work), then the scheduler, then the engines, then Redis.
-        order = ["api", "scheduler", "engine"]
+        # api-servers first (no new work), then the scheduler, then the engines (and their
+        # spares), then Redis.
+        order = ["api", "scheduler", ("engine", "spare")]
         for prefix in order:
             group = [c for c in self.children if c.role.startswith(prefix) and c.proc.poll() is None]
             for c in group:
@@ -288,7 +325,8 @@ def _tail(path: Path, n: int = 15) -> str:
 def banner(cluster: LocalCluster) -> str:
     o = cluster.o
     return "\n".join([
-        f"lockstep is up: {o.ranks} ranks ({o.backend}), {o.api_servers} api-servers, policy {o.policy}",
+        f"lockstep is up: {o.ranks} ranks ({o.backend}) + {o.spares} hot spare{'s' * (o.spares != 1)}, "
+        f"{o.api_servers} api-servers, policy {o.policy}",
         f"  API        {cluster.api_url}   (OpenAI-compatible; model 'lockstep-moe')",
         f"  Redis      {redact_url(cluster.url)}" + ("   (embedded, stops with this command)" if cluster.redis else ""),
         f"  Logs       {cluster.log_dir}",

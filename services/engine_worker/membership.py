@@ -53,12 +53,54 @@ class GroupMembership:
         wanted = [self.rank] if self.rank >= 0 else list(range(self.s.ranks))
         deadline = time.monotonic() + max(10.0, ttl / 1000 * 2)
         while time.monotonic() < deadline:
-            for r in wanted:
-                if await self.r.set(self.keys.rank_alive(r), self.token, nx=True, px=ttl):
-                    return r
+            rank = await self._try_claim(wanted, ttl)
+            if rank is not None:
+                return rank
             await asyncio.sleep(ttl / 1000 / 4)   # a dead rank's key lapses within ttl
         raise ClaimFailed(f"no free rank slot among {wanted} in namespace {self.s.namespace!r}; "
                           f"are {self.s.ranks} engine-workers already running?")
+
+    async def _try_claim(self, wanted: list[int], ttl: int) -> int | None:
+        pipe = self.r.pipeline(transaction=False)
+        for r in wanted:
+            pipe.set(self.keys.rank_alive(r), self.token, nx=True, px=ttl)
+        won = [r for r, ok in zip(wanted, await pipe.execute()) if ok]
+        if len(won) > 1:   # one slot per process: give back the others at once
+            pipe = self.r.pipeline(transaction=False)
+            for r in won[1:]:
+                pipe.delete(self.keys.rank_alive(r))
+            await pipe.execute()
+        return won[0] if won else None
+
+    async def _wait_as_spare(self) -> int | None:
+        """Hot spare: everything is imported and connected; wait, without limit, for a rank
+        slot to free and take it. ``lockstep up`` pushes the rank of a process it saw die to
+        the vacancies list (the pop wakes this at once); without a supervisor the slot frees
+        when the dead rank's alive key lapses, found at the next heartbeat's try. Only the
+        slots of a group that has formed are taken: a spare replaces ranks, it does not
+        race the ranks still starting up for theirs. Returns None when asked to stop first."""
+        ttl = self.s.heartbeat_ms * 3
+        wanted = [self.rank] if self.rank >= 0 else list(range(self.s.ranks))
+        me = self.keys.spare(self.token)
+        self.log.info("spare_waiting", ranks=len(wanted))
+        try:
+            while not self.stopping.is_set():
+                pipe = self.r.pipeline(transaction=False)
+                pipe.set(me, f"{os.getpid()}@{socket.gethostname()}", px=ttl)
+                pipe.hget(self.keys.dist, "formed")
+                _, formed = await pipe.execute()
+                rank = await self._try_claim(wanted, ttl) if formed == b"1" else None
+                if rank is not None:
+                    self.log.warning("spare_took_rank", rank=rank)
+                    return rank
+                # A pop only says "try now": stale entries are harmless, the SET NX decides.
+                await self.r.blpop([self.keys.vacancies], timeout=self.s.heartbeat_ms / 1000)
+            return None
+        finally:
+            try:
+                await self.r.delete(me)
+            except Exception:  # noqa: BLE001 - it lapses within its TTL anyway
+                pass
 
     def _start_liveness(self) -> Callable[[], None]:
         """Renew this rank's alive key (and identity) from a thread with its own connection.

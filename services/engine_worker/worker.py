@@ -88,11 +88,19 @@ class EngineWorker(GroupMembership):
         if r is None:
             return 2
         self.r = r
-        try:
-            self.rank = await self._claim_rank()
-        except ClaimFailed as exc:
-            self.log.error("rank_claim_failed", error=str(exc))
-            return 3
+        if self.s.spare:
+            self._preload_backend()
+            rank = await retrying(self._wait_as_spare, log=self.log, what="spare")
+            if rank is None:
+                await self.r.aclose()
+                return 0
+            self.rank = rank
+        else:
+            try:
+                self.rank = await self._claim_rank()
+            except ClaimFailed as exc:
+                self.log.error("rank_claim_failed", error=str(exc))
+                return 3
         self.log = self.log.bind(rank=self.rank)
         self.gate.rank = self.rank
         # A new consumer name per incarnation: what a dead predecessor left pending stays
@@ -107,7 +115,8 @@ class EngineWorker(GroupMembership):
             self.backend = self._make_backend()
             await self.r.hset(self.keys.rank_info(self.rank), mapping={"ready": time.time(), "wave": 0, "step": 0})
             from services.engine_worker.metrics import start_metrics
-            self.metrics = start_metrics(self.s.metrics_port, self.rank)
+            port = self.s.metrics_port + self.rank if self.s.spare and self.s.metrics_port else self.s.metrics_port
+            self.metrics = start_metrics(port, self.rank)
             self.log.info("engine_ready", world=self.s.ranks, backend=self.s.backend, pid=os.getpid())
             await self._step_loop()
             return 0
@@ -115,6 +124,12 @@ class EngineWorker(GroupMembership):
             watcher.cancel()
             await asyncio.to_thread(liveness)   # its last beat lands before the alive key is dropped
             await self._release()
+
+    def _preload_backend(self) -> None:
+        """A spare imports what its backend needs before it waits: the weights depend on
+        the rank it will take, the imports do not (and are most of a start-up)."""
+        if self.s.backend == "torch":
+            import services.engine_worker.model.runner  # noqa: F401
 
     def _make_backend(self) -> Any:
         if self.s.backend == "torch":

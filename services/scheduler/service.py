@@ -58,6 +58,7 @@ class SchedulerService:
         self._redis_trouble = False
         self._next_orphan_scan = 0.0
         self.ever_alive: set[int] = set()   # ranks seen alive: only those can have died
+        self.consumers: dict[int, bytes | None] = {}   # rank -> consumer name of its current incarnation
         self._dispatching = False             # the pipeline being built writes work to an inbox
 
     async def run(self) -> int:
@@ -370,11 +371,18 @@ class SchedulerService:
         pipe = self.r.pipeline(transaction=False)
         for r in self.ranks:
             pipe.exists(self.keys.rank_alive(r))
+            pipe.hget(self.keys.rank_info(r), "consumer")
         pipe.smembers(self.keys.drained)
         res = await pipe.execute()
-        live = [r for r, alive in zip(self.ranks, res[:-1]) if alive]
+        live = [r for r, alive in zip(self.ranks, res[:-1:2]) if alive]
         self.ever_alive.update(live)
         drained = {int(x) for x in res[-1]}
+        # A new incarnation of a rank (a hot spare took the slot of a dead process before
+        # this loop saw it empty): what the old one held is resumed now, not at the next scan.
+        consumers = dict(zip(self.ranks, res[1:-1:2]))
+        if any(self.consumers.get(r) not in (None, c) for r, c in consumers.items()):
+            self._next_orphan_scan = 0.0
+        self.consumers = consumers
         if live != self.live or drained != self.drained:
             self.log.info("ranks_changed", live=live, drained=sorted(drained))
             self.live, self.drained = live, drained
