@@ -77,8 +77,9 @@ class GroupMembership:
         slot to free and take it. ``lockstep up`` pushes the rank of a process it saw die to
         the vacancies list (the pop wakes this at once); without a supervisor the slot frees
         when the dead rank's alive key lapses, found at the next heartbeat's try. Only the
-        slots of a group that has formed are taken: a spare replaces ranks, it does not
-        race the ranks still starting up for theirs. Returns None when asked to stop first."""
+        slots of a group that has run are taken (``ran`` in ``ls:dist``, kept while the
+        group re-forms): a spare replaces ranks, it does not race the ranks still starting
+        up for theirs. Returns None when asked to stop first."""
         ttl = self.s.heartbeat_ms * 3
         wanted = [self.rank] if self.rank >= 0 else list(range(self.s.ranks))
         me = self.keys.spare(self.token)
@@ -87,9 +88,9 @@ class GroupMembership:
             while not self.stopping.is_set():
                 pipe = self.r.pipeline(transaction=False)
                 pipe.set(me, f"{os.getpid()}@{socket.gethostname()}", px=ttl)
-                pipe.hget(self.keys.dist, "formed")
-                _, formed = await pipe.execute()
-                rank = await self._try_claim(wanted, ttl) if formed == b"1" else None
+                pipe.hget(self.keys.dist, "ran")
+                _, ran = await pipe.execute()
+                rank = await self._try_claim(wanted, ttl) if ran == b"1" else None
                 if rank is not None:
                     self.log.warning("spare_took_rank", rank=rank)
                     return rank
@@ -217,7 +218,9 @@ class GroupMembership:
         self.group = await asyncio.to_thread(
             LockstepGroup.init, self.rank, self.s.ranks, addr, port, self.s.collective_timeout_s, self.s.device)
         if self.rank == 0:
-            await self.r.hset(self.keys.dist, "formed", 1)
+            # formed: this generation (reset by the next rendezvous); ran: the group has
+            # run at least once, so its free slots are a spare's to take (kept across them).
+            await self.r.hset(self.keys.dist, mapping={"formed": 1, "ran": 1})
         self.log.info("engine_group_formed", gen=self.gen, world=self.s.ranks)
 
     async def _announce_replacement(self) -> None:
