@@ -29,6 +29,10 @@ def _engine(redis_url: str, namespace: str, log: Path, **extra: str) -> subproce
                                 stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
+def _spare_waiting(r: redis.Redis, k: Keys) -> bool:
+    return any(True for _ in r.scan_iter(match=k.spare("*")))
+
+
 def test_spare_takes_a_dead_ranks_slot_without_a_supervisor(redis_url, namespace, tmp_path):
     r = redis.Redis.from_url(redis_url)
     k = Keys(namespace)
@@ -37,7 +41,7 @@ def test_spare_takes_a_dead_ranks_slot_without_a_supervisor(redis_url, namespace
     procs = [spare]
     try:
         async def spare_waiting():
-            return any(True for _ in r.scan_iter(match=k.spare("*")))
+            return _spare_waiting(r, k)
         asyncio.run(wait_until(spare_waiting, timeout=60))
         assert r.get(k.rank_alive(0)) is None and r.get(k.rank_alive(1)) is None
         ranks = [_engine(redis_url, namespace, tmp_path / f"rank{i}.log", LOCKSTEP_RANK=str(i)) for i in range(2)]
@@ -58,7 +62,7 @@ def test_spare_takes_a_dead_ranks_slot_without_a_supervisor(redis_url, namespace
                     and int(d.get(b"gen", 0)) > gen and d.get(b"formed") == b"1")
         asyncio.run(wait_until(taken_over, timeout=60))
         assert spare.poll() is None and ranks[0].poll() is None
-        assert not any(True for _ in r.scan_iter(match=k.spare("*")))   # no longer a spare
+        assert not _spare_waiting(r, k)   # no longer a spare
     finally:
         for p in procs:
             if p.poll() is None:
@@ -73,10 +77,10 @@ def test_spare_takes_a_dead_ranks_slot_without_a_supervisor(redis_url, namespace
 
 def test_healthcheck_passes_for_a_waiting_spare(redis_url, namespace, tmp_path):
     spare = _engine(redis_url, namespace, tmp_path / "spare.log", LOCKSTEP_SPARE="1")
-    r = redis.Redis.from_url(redis_url)
+    r, k = redis.Redis.from_url(redis_url), Keys(namespace)
     try:
         async def waiting():
-            return any(True for _ in r.scan_iter(match=Keys(namespace).spare("*")))
+            return _spare_waiting(r, k)
         asyncio.run(wait_until(waiting, timeout=60))
         env = {**os.environ, "LOCKSTEP_REDIS_URL": redis_url, "LOCKSTEP_NAMESPACE": namespace, "LOCKSTEP_RANKS": "2"}
         res = subprocess.run([sys.executable, "-m", "services.admin.healthcheck", "engine"],
@@ -85,5 +89,5 @@ def test_healthcheck_passes_for_a_waiting_spare(redis_url, namespace, tmp_path):
     finally:
         spare.send_signal(signal.SIGTERM)
         assert spare.wait(15) == 0   # a waiting spare stops cleanly
-        assert not any(True for _ in r.scan_iter(match=Keys(namespace).spare("*")))
+        assert not _spare_waiting(r, k)
         r.close()
