@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import time
 
 import httpx
@@ -146,7 +145,7 @@ def test_rank_killed_mid_run_loses_nothing(tmp_path):
     takes the dead rank over, and a new spare takes its place."""
     import json
 
-    from services.admin.fault_inject import kill_rank_mid_decode
+    from services.admin.fault_inject import kill_rank_mid_decode_in_background
     from shared.tokenizer import encode
     from tests.helpers import sim_expected_text
 
@@ -177,13 +176,10 @@ def test_rank_killed_mid_run_loses_nothing(tmp_path):
 
         # Killed once most of its requests are mid-decode (their tokens partly streamed):
         # from a thread, on the rank's own step reports, so a lagging client cannot delay it.
-        killed: list[float | None] = []
-        killer = threading.Thread(target=lambda: killed.append(kill_rank_mid_decode(
-            cluster.redis_url, cluster.namespace, 2, victim, min_running=30, max_tokens=n_tokens)), daemon=True)
-        killer.start()
+        killed = kill_rank_mid_decode_in_background(cluster.redis_url, cluster.namespace, 2, victim,
+                                                    min_running=30, max_tokens=n_tokens)
         results = asyncio.run(asyncio.wait_for(main(), 240))
-        killer.join(5)
-        assert killed and killed[0] is not None, "the victim never had its requests mid-decode"
+        assert killed(5) is not None, "the victim never had its requests mid-decode"
         assert len(results) == 200
         for i, text, usage in results:
             assert usage is not None and usage.completion_tokens == n_tokens, (i, usage)

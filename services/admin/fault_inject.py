@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from typing import Callable
 
 import redis
 
@@ -41,3 +43,17 @@ def kill_rank_mid_decode(redis_url: str, namespace: str, rank: int, pid: int, mi
     finally:
         r.close()
     return None
+
+
+def kill_rank_mid_decode_in_background(*args: object, **kwargs: object) -> Callable[[float], float | None]:
+    """Run kill_rank_mid_decode (same arguments) in a thread of its own; returns what waits
+    for it (at most the given seconds) and gives its result: the kill time, or None."""
+    result: list[float | None] = []
+    thread = threading.Thread(target=lambda: result.append(kill_rank_mid_decode(*args, **kwargs)),  # type: ignore[arg-type]
+                              daemon=True)
+    thread.start()
+
+    def join(timeout: float) -> float | None:
+        thread.join(timeout)
+        return result[0] if result else None
+    return join

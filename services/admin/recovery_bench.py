@@ -20,14 +20,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 
-from services.admin.fault_inject import kill_rank_mid_decode
+from services.admin.fault_inject import kill_rank_mid_decode_in_background
 from shared.redis_server import free_port
 
 
@@ -103,19 +102,16 @@ def measure(ranks: int, n: int, tokens: int, kill: bool, spares: int = 1) -> dic
         status = json.loads(subprocess.run([sys.executable, "-m", "services.admin.cli", "status", "--json", "-n", "rec"],
                                            capture_output=True, text=True, env={**os.environ, "LOCKSTEP_STATE_DIR": state},
                                            check=True).stdout)
-        killed: list[float | None] = []
+        killed = None
         if kill:
             # On the victim's own step reports, once most of its share is mid-decode.
-            victim = status["ranks"][ranks - 1]["pid"]
-            killer = threading.Thread(target=lambda: killed.append(kill_rank_mid_decode(
-                redis_url, "rec", ranks - 1, victim, min_running=n // ranks * 3 // 4, max_tokens=tokens)), daemon=True)
-            killer.start()
+            killed = kill_rank_mid_decode_in_background(redis_url, "rec", ranks - 1, status["ranks"][ranks - 1]["pid"],
+                                                        min_running=n // ranks * 3 // 4, max_tokens=tokens)
         run = asyncio.run(_run(f"http://127.0.0.1:{port}/v1", n, tokens))
-        if kill:
-            killer.join(5)
-            if not killed or killed[0] is None:
+        if killed is not None:
+            run["kill_t"] = killed(5)
+            if run["kill_t"] is None:
                 raise SystemExit("the victim rank never had most of its requests mid-decode; nothing was measured")
-            run["kill_t"] = killed[0]
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(60)
