@@ -4,7 +4,7 @@ dashboard all compute them here.
 * **balance ratio** (TensorRT-LLM's): for every step in which any rank scheduled work,
   ``mean over ranks of scheduled tokens / max over ranks``; the run's figure is the mean
   over those steps weighted by the step's total scheduled tokens (a step that moved many
-  tokens counts more than a near-empty one). 1.0 is perfect. A run with no work is 1.0.
+  tokens counts more than a near-empty one). 1.0 is perfect.
 * **idle-forward fraction**: rank-steps that ran a dummy forward while another rank had
   work, divided by all rank-steps of steps with global work. 0.0 is perfect.
 * **percentiles** (p50/p90/p99) of TTFT, ITL and end-to-end latency, nearest-rank
@@ -14,6 +14,14 @@ dashboard all compute them here.
 * **efficiency vs. ideal**: throughput / the throughput of the same trace run with
   perfectly balanced steps under the same cost model (the simulator computes that ideal;
   see ``services/simulator/sim.py``).
+
+No data is not a perfect figure: a measure with nothing to measure is None (null in
+JSON), never 1.0 or 0.0. Balance ratio and idle-forward fraction are None when no step
+had work (no steps, or only all-zero steps: e.g. ``lockstep bench`` reading the wrong
+namespace); throughput is None for an empty span (zero tokens over a real span is 0.0);
+efficiency vs. ideal is None without an ideal or a throughput. The percentile functions
+return NaN for an empty sample (so they stay plain floats for numpy); every caller
+reports that NaN as None, and :meth:`MeasureAccumulator.summary` does so itself.
 
 Everything takes plain sequences or numpy arrays; :class:`MeasureAccumulator` is the
 incremental form for live use (feed it one step at a time).
@@ -50,15 +58,16 @@ def step_balance(tokens: Sequence[int] | np.ndarray) -> float | None:
     return float(row.mean() / mx)
 
 
-def balance_ratio(scheduled: Sequence[Sequence[int]] | np.ndarray) -> float:
-    """Token-weighted mean of per-step balance over steps with any work (steps x ranks)."""
+def balance_ratio(scheduled: Sequence[Sequence[int]] | np.ndarray) -> float | None:
+    """Token-weighted mean of per-step balance over steps with any work (steps x ranks);
+    None when no step had work."""
     m = _as_matrix(scheduled)
     if m.size == 0:
-        return 1.0
+        return None
     mx = m.max(axis=1)
     work = mx > 0
     if not work.any():
-        return 1.0
+        return None
     m, mx = m[work], mx[work]
     total = m.sum(axis=1)
     ratio = m.mean(axis=1) / mx
@@ -66,18 +75,19 @@ def balance_ratio(scheduled: Sequence[Sequence[int]] | np.ndarray) -> float:
 
 
 def idle_forward_fraction(scheduled: Sequence[Sequence[int]] | np.ndarray,
-                          idle: Sequence[Sequence[bool]] | np.ndarray | None = None) -> float:
-    """Dummy-forward rank-steps while another rank had work / rank-steps with global work.
+                          idle: Sequence[Sequence[bool]] | np.ndarray | None = None) -> float | None:
+    """Dummy-forward rank-steps while another rank had work / rank-steps with global work;
+    None when no step had work.
 
     ``idle`` (steps x ranks) marks the ranks that ran a dummy forward; without it a rank
     with zero scheduled tokens in a step where another rank had work counts as idle.
     """
     m = _as_matrix(scheduled)
     if m.size == 0:
-        return 0.0
+        return None
     work = m.max(axis=1) > 0
     if not work.any():
-        return 0.0
+        return None
     if idle is None:
         idle_m = m[work] <= 0
     else:
@@ -121,15 +131,20 @@ def percentiles(values: Iterable[float] | np.ndarray, ps: Sequence[float] = PERC
 
 # --- throughput -----------------------------------------------------------------------
 
-def throughput(output_tokens: float, start: float, end: float) -> float:
-    """Output tokens per second over [start, end] (seconds); 0 for an empty span."""
+def throughput(output_tokens: float, start: float, end: float) -> float | None:
+    """Output tokens per second over [start, end] (seconds); None for an empty span
+    (0.0 for zero tokens over a real span: that is data)."""
     span = end - start
-    return float(output_tokens) / span if span > 0 else 0.0
+    return float(output_tokens) / span if span > 0 else None
 
 
-def efficiency_vs_ideal(actual_tok_s: float, ideal_tok_s: float) -> float:
-    """Throughput as a fraction of the perfectly balanced run's; NaN without an ideal."""
-    return float(actual_tok_s) / ideal_tok_s if ideal_tok_s > 0 else math.nan
+def efficiency_vs_ideal(actual_tok_s: float | None, ideal_tok_s: float | None) -> float | None:
+    """Throughput as a fraction of the perfectly balanced run's; None without an ideal
+    (None, 0 or NaN) or without an actual throughput."""
+    if actual_tok_s is None or ideal_tok_s is None or not ideal_tok_s > 0:
+        return None
+    actual = float(actual_tok_s)
+    return actual / ideal_tok_s if math.isfinite(actual) else None
 
 
 # --- incremental form -----------------------------------------------------------------
@@ -140,8 +155,9 @@ class MeasureAccumulator:
     optionally, the per-rank dummy-forward flags) at a time, and per-request latencies.
 
     Balance and idle fraction match :func:`balance_ratio` and
-    :func:`idle_forward_fraction` on the same steps exactly. Latency samples are kept in
-    full (a live dashboard should ``reset()`` per window).
+    :func:`idle_forward_fraction` on the same steps exactly (None before a step with
+    work). Latency samples are kept in full (a live dashboard should ``reset()`` per
+    window).
     """
 
     _w_ratio: float = 0.0            # sum over work steps of ratio * total tokens
@@ -194,21 +210,22 @@ class MeasureAccumulator:
             self._itl_w.append(count)
 
     @property
-    def balance_ratio(self) -> float:
-        return self._w_ratio / self._w if self._w > 0 else 1.0
+    def balance_ratio(self) -> float | None:
+        return self._w_ratio / self._w if self._w > 0 else None
 
     @property
-    def idle_forward_fraction(self) -> float:
-        return self._idle_rank_steps / self._work_rank_steps if self._work_rank_steps else 0.0
+    def idle_forward_fraction(self) -> float | None:
+        return self._idle_rank_steps / self._work_rank_steps if self._work_rank_steps else None
 
     @property
-    def throughput(self) -> float:
+    def throughput(self) -> float | None:
         if self.first_t is None or self.last_t is None:
-            return 0.0
+            return None
         return throughput(self.output_tokens, self.first_t, self.last_t)
 
-    def summary(self) -> dict[str, float]:
-        out: dict[str, float] = {
+    def summary(self) -> dict[str, float | None]:
+        """The measures by name; None for each one without data."""
+        out: dict[str, float | None] = {
             "balance_ratio": self.balance_ratio,
             "idle_forward_fraction": self.idle_forward_fraction,
             "throughput_tok_s": self.throughput,
@@ -216,7 +233,7 @@ class MeasureAccumulator:
         for name, vals, w in (("ttft", self.ttft, None), ("e2e", self.e2e, None),
                               ("itl", self._itl, self._itl_w)):
             for k, v in percentiles(vals, weights=w).items():
-                out[f"{name}_{k}_ms"] = v * 1000.0
+                out[f"{name}_{k}_ms"] = None if math.isnan(v) else v * 1000.0
         return out
 
     def reset(self) -> None:

@@ -22,8 +22,8 @@ def test_balance_ratio_token_weighted_and_skips_empty_steps():
     steps = [[10, 0], [1, 1]]
     # 0.5 weighted by 10, 1.0 weighted by 2
     assert measures.balance_ratio(steps) == pytest.approx((0.5 * 10 + 1.0 * 2) / 12)
-    assert measures.balance_ratio([[0, 0]]) == 1.0
-    assert measures.balance_ratio(np.zeros((0, 4))) == 1.0
+    assert measures.balance_ratio([[0, 0]]) is None
+    assert measures.balance_ratio(np.zeros((0, 4))) is None
     assert measures.balance_ratio([[3], [7]]) == 1.0
 
 
@@ -34,7 +34,7 @@ def test_idle_forward_fraction():
     # explicit idle flags: only flagged zero-token ranks count
     idle = [[False, True, False, False], [True] * 4, [False] * 4]
     assert measures.idle_forward_fraction(steps, idle) == pytest.approx(1 / 8)
-    assert measures.idle_forward_fraction([[0, 0]]) == 0.0
+    assert measures.idle_forward_fraction([[0, 0]]) is None
     assert measures.idle_forward_fraction([[1, 0]]) == 0.5
 
 
@@ -58,9 +58,12 @@ def test_weighted_percentile_equals_repeated_values():
 
 def test_throughput_and_efficiency():
     assert measures.throughput(1000, 2.0, 12.0) == 100.0
-    assert measures.throughput(1000, 2.0, 2.0) == 0.0
+    assert measures.throughput(1000, 2.0, 2.0) is None      # no span: no data
+    assert measures.throughput(0, 2.0, 12.0) == 0.0          # zero tokens over a real span: data
     assert measures.efficiency_vs_ideal(90.0, 100.0) == 0.9
-    assert math.isnan(measures.efficiency_vs_ideal(90.0, 0.0))
+    assert measures.efficiency_vs_ideal(90.0, 0.0) is None
+    assert measures.efficiency_vs_ideal(90.0, None) is None
+    assert measures.efficiency_vs_ideal(None, 100.0) is None
 
 
 def test_accumulator_matches_batch_functions():
@@ -88,4 +91,114 @@ def test_accumulator_latencies_and_throughput():
     assert s["itl_p50_ms"] == pytest.approx(20.0)
     assert s["itl_p99_ms"] == pytest.approx(50.0)
     acc.reset()
-    assert acc.steps == 0 and acc.ttft == [] and acc.balance_ratio == 1.0
+    assert acc.steps == 0 and acc.ttft == [] and acc.balance_ratio is None
+
+
+# --- no data is not a perfect figure (issue #12, item 8) --------------------------------
+
+def test_no_work_gives_none_for_balance_and_idle_fraction():
+    for no_work in ([], [[]], np.zeros((0, 4)), [[0, 0, 0]], [[0, 0], [0, 0], [0, 0]]):
+        assert measures.balance_ratio(no_work) is None, no_work
+        assert measures.idle_forward_fraction(no_work) is None, no_work
+    assert measures.idle_forward_fraction([[0, 0], [0, 0]], [[True, True], [False, True]]) is None
+
+
+def test_accumulator_without_data_gives_none():
+    acc = MeasureAccumulator()
+    assert acc.balance_ratio is None
+    assert acc.idle_forward_fraction is None
+    assert acc.throughput is None
+    assert all(v is None for v in acc.summary().values()), acc.summary()
+    acc.add_step([0, 0], [True, True])          # steps, but none with work
+    assert acc.steps == 1 and acc.balance_ratio is None and acc.idle_forward_fraction is None
+    acc.add_request(output_tokens=10, arrival=3.0, finish=3.0)   # an empty span
+    assert acc.throughput is None
+    acc.add_step([4, 0])
+    assert acc.balance_ratio == 0.5 and acc.idle_forward_fraction == 0.5
+
+
+def _stat(t: float, step: int, rank: int, scheduled: int, idle: bool = False) -> dict:
+    return {"t": t, "wave": 0, "step": step, "rank": rank, "scheduled": scheduled, "idle": idle,
+            "prefill": 0, "dur_ms": 1.0}
+
+
+def test_bench_report_without_step_stats_is_an_error_with_null_figures():
+    from services.admin.bench_cmd import engine_report
+
+    sm = engine_report([], 2, 100.0, 200.0, "wrongns", "redis://user:secret@db:6379/0")
+    assert sm["steps"] == 0 and sm["work_steps"] == 0
+    assert sm["balance_ratio"] is None and sm["idle_forward_fraction"] is None
+    err = sm["error"]
+    assert "read no step stats from wrongns:stats" in err
+    assert "--namespace" in err and "'wrongns'" in err and "--redis-url" in err
+    assert "same Redis URL" in err and "null" in err
+    assert "secret" not in err and "db:6379" in err
+    # stats were read, but none inside the run window: still no data, and it says so
+    sm = engine_report([_stat(10.0, 1, 0, 5), _stat(10.0, 1, 1, 5)], 2, 100.0, 200.0, "ls", None)
+    assert sm["balance_ratio"] is None and sm["idle_forward_fraction"] is None
+    assert "2 step stats were read, none inside the run window" in sm["error"]
+
+
+def test_bench_report_with_step_stats_has_figures_and_no_error():
+    from services.admin.bench_cmd import engine_report
+
+    rows = [_stat(150.0, 1, 0, 10), _stat(150.0, 1, 1, 0, idle=True),
+            _stat(151.0, 2, 0, 4), _stat(151.0, 2, 1, 4)]
+    sm = engine_report(rows, 2, 100.0, 200.0, "ls", "redis://db:6379/0")
+    assert "error" not in sm
+    assert sm["steps"] == 2
+    assert sm["balance_ratio"] == pytest.approx(measures.balance_ratio([[10, 0], [4, 4]]))
+    assert sm["idle_forward_fraction"] == pytest.approx(1 / 4)
+    # steps, none with work: the figures are null, but the stats were read (no error)
+    sm = engine_report([_stat(150.0, 1, 0, 0), _stat(150.0, 1, 1, 0)], 2, 100.0, 200.0, "ls", None)
+    assert "error" not in sm and sm["balance_ratio"] is None and sm["idle_forward_fraction"] is None
+
+
+def test_watch_measures_without_work_are_null():
+    from services.admin.watch import measures_of
+
+    snaps = [{"ranks": {"0": {"scheduled": 0, "idle": False}, "1": {"scheduled": 0, "idle": False}}}]
+    m = measures_of(snaps, 10.0)
+    assert m["steps"] == 1 and m["balance_ratio"] is None and m["idle_forward_fraction"] is None
+
+
+def test_goal_lines_say_no_data():
+    from services.simulator import bench_table
+    from services.simulator.baselines import policy_specs
+
+    own = next(n for n, s in policy_specs().items() if s.lockstep and n != "round_robin")
+    base = next(n for n, s in policy_specs().items() if not s.lockstep)
+    none = {"balance_ratio": None, "idle_forward_fraction": None, "efficiency_vs_ideal": None,
+            "ttft_p99_ms": None}
+    lines = bench_table.goals({"policies": {own: dict(none), base: dict(none)}})
+    text = "\n".join(lines)
+    assert "- balance_ratio: no data (goal >= 0.95) — NOT met" in text
+    assert "- idle_forward_fraction: no data" in text and "- efficiency_vs_ideal: no data" in text
+    assert "TTFT p99: no data vs best baseline no data — NOT met" in text
+
+
+def test_lockstep_bench_json_without_step_stats_exits_1_with_error(monkeypatch):
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from services.admin import bench_cmd
+
+    async def fake_run_bench(url, redis_url, namespace, *a, **kw):
+        doc = {"url": url, "namespace": namespace, "model": "m", "trace": "poisson", "requests": 1,
+               "completed": 1, "failed": 0, "throughput_tok_s": 10.0}
+        doc.update(bench_cmd.engine_report([], 2, 0.0, 1.0, namespace, redis_url))
+        return doc
+
+    monkeypatch.setattr(bench_cmd, "run_bench", fake_run_bench)
+    app = typer.Typer()
+    bench_cmd.register(app)
+    app.command("noop")(lambda: None)       # two commands: `bench` stays a sub-command
+    res = CliRunner().invoke(app, ["bench", "--url", "http://x", "--redis-url", "redis://h:1/0",
+                                   "--namespace", "wrongns", "--json"])
+    assert res.exit_code == 1
+    doc = json.loads(res.stdout.strip().splitlines()[0])
+    assert doc["balance_ratio"] is None and doc["idle_forward_fraction"] is None
+    assert "--namespace" in doc["error"] and "'wrongns'" in doc["error"]
+    assert "read no step stats" in res.stderr

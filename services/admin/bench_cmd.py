@@ -8,7 +8,10 @@ DESIGN §6 for that run.
   window: balance ratio and idle-forward fraction (shared/measures.py, the same
   definitions the simulator uses), per-rank scheduled tokens, the step where each rank
   first ran a prefill, and step durations. Per-rank request counts come from the
-  ``<ns>:req:<id>`` hashes.
+  ``<ns>:req:<id>`` hashes. No step stats in the window (a wrong ``--namespace`` or
+  Redis URL) is an error, not a perfect run: balance and idle fraction are null, the
+  JSON document carries ``"error"``, a warning names what to check, and the exit status
+  is 1.
 
 The trace is the simulator's (services/simulator/workload.py): ``--workload
 poisson|bursty|heavy-tail`` generated from ``--requests/--rate/--seed``, or ``--trace FILE``
@@ -193,8 +196,9 @@ def step_measures(rows: list[dict[str, Any]], num_ranks: int, t_from: float, t_t
     idle_rank_steps = sum(1 for row_s, row_i in zip(sched, idle) if max(row_s, default=0) > 0
                           for s, i in zip(row_s, row_i) if i and s <= 0)
     return {
-        "balance_ratio": balance_ratio(sched) if sched else 1.0,
-        "idle_forward_fraction": idle_forward_fraction(sched, idle) if sched else 0.0,
+        # None (null) without a step with work: no data is not a perfect figure
+        "balance_ratio": balance_ratio(sched),
+        "idle_forward_fraction": idle_forward_fraction(sched, idle),
         "steps": len(keys), "work_steps": len(work), "idle_forwards": idle_rank_steps,
         "ranks": n,
         "per_rank_scheduled_tokens": {str(r): per_rank_tokens[r] for r in range(n)},
@@ -204,6 +208,31 @@ def step_measures(rows: list[dict[str, Any]], num_ranks: int, t_from: float, t_t
         "step_period_ms_p50": percentile(periods, 50) if periods else None,
         "step_period_ms_max": max(periods) if periods else None,
     }
+
+
+def no_stats_message(namespace: str, redis_url: str | None, rows_read: int) -> str:
+    """What to tell the user when the run window held no step stats, and what to check."""
+    from shared import keys as K
+    from shared.bus import redact_url
+
+    stream = K.Keys(namespace).stats
+    where = f"{stream} at {redact_url(redis_url)}" if redis_url else stream
+    seen = (f"{rows_read} step stats were read, none inside the run window (are the clocks of "
+            f"this host and the engines in step?). " if rows_read else "")
+    return (f"read no step stats from {where} during the run, so balance ratio and idle-forward "
+            f"fraction are null (no data, not a perfect run). {seen}Check that the namespace is the "
+            f"cluster's (--namespace / LOCKSTEP_NAMESPACE; this run used {namespace!r}) and that the "
+            f"cluster runs with the same Redis URL (--redis-url / LOCKSTEP_REDIS_URL).")
+
+
+def engine_report(rows: list[dict[str, Any]], num_ranks: int, t_from: float, t_to: float,
+                  namespace: str, redis_url: str | None) -> dict[str, Any]:
+    """The engine-side part of the report: :func:`step_measures` of the run window, plus
+    ``"error"`` (see :func:`no_stats_message`) when the window held no step stats."""
+    sm = step_measures(rows, num_ranks, t_from, t_to)
+    if sm["steps"] == 0:
+        sm["error"] = no_stats_message(namespace, redis_url, len(rows))
+    return sm
 
 
 # ---------------------------------------------------------------------- the run
@@ -288,7 +317,8 @@ async def run_bench(url: str, redis_url: str | None, namespace: str, workload: s
         out[f"{label}_max_ms"] = max(vals) * 1000.0 if vals else None
     out["ttft_ms"] = [None if x.ttft is None else round(x.ttft * 1000.0, 3) for x in results]
     if follower is not None:
-        sm = step_measures(follower.rows, num_ranks, t_first - 1.0, t_end_wall + STATS_SETTLE_S)
+        sm = engine_report(follower.rows, num_ranks, t_first - 1.0, t_end_wall + STATS_SETTLE_S,
+                           namespace, redis_url)
         out.update(sm)
         out["per_rank_requests"] = {str(k): per_rank_req.get(str(k), 0) for k in range(sm["ranks"])}
     else:
@@ -391,7 +421,9 @@ def bench(
         Console().print(t)
         for e in doc.get("errors", ()):
             typer.echo(f"error: {e}", err=True)
-    if doc["completed"] == 0:
+    if doc.get("error"):
+        typer.secho(f"lockstep bench: {doc['error']}", fg=typer.colors.RED, err=True)
+    if doc["completed"] == 0 or doc.get("error"):
         raise typer.Exit(1)
 
 

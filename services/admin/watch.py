@@ -76,6 +76,10 @@ async def _queues(r: Any, keys: K.Keys) -> dict[str, Any]:
     return out
 
 
+def _round(v: float | None, nd: int) -> float | None:
+    return None if v is None else round(v, nd)
+
+
 def measures_of(snaps: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
     """Balance ratio, idle fraction, step rate and per-rank means over the window's steps."""
     from shared.measures import balance_ratio, idle_forward_fraction
@@ -91,8 +95,8 @@ def measures_of(snaps: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
     per_rank = {r: round(sum(row[col[r]] for row in sched) / len(sched), 2) for r in ranks} if snaps else {}
     return {
         "steps": len(snaps), "window_s": window_s, "step_rate": round(len(snaps) / window_s, 3) if window_s else 0.0,
-        "balance_ratio": round(balance_ratio(sched), 4) if snaps else None,
-        "idle_forward_fraction": round(idle_forward_fraction(sched, idle), 4) if snaps else None,
+        "balance_ratio": _round(balance_ratio(sched), 4),
+        "idle_forward_fraction": _round(idle_forward_fraction(sched, idle), 4),
         "work_steps": sum(1 for row in sched if max(row, default=0) > 0),
         "scheduled_mean_per_rank": per_rank,
     }

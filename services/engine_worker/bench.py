@@ -137,6 +137,10 @@ async def drive(url: str, redis_url: str, namespace: str, ranks: int, concurrenc
         await r.aclose()
 
 
+def _round(v: float | None, nd: int) -> float | None:
+    return None if v is None else round(v, nd)
+
+
 def summarize(stats: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
     med = statistics.median
     by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
@@ -184,8 +188,9 @@ def summarize(stats: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
         "redis_round_trips_per_rank_step": round(med(rtts), 3) if rtts else None,
         "decode_tokens_per_s": round(decode / window, 1) if window else None,
         "tokens_per_step_median": med([sum(row) for row in sched]) if sched else None,
-        "balance_ratio": round(balance_ratio(sched), 3) if sched else None,
-        "idle_forward_fraction": round(idle_forward_fraction(sched, idle), 3) if sched else None,
+        # None (null) when no full step had work: no data, not a perfect figure
+        "balance_ratio": _round(balance_ratio(sched), 3),
+        "idle_forward_fraction": _round(idle_forward_fraction(sched, idle), 3),
     }
 
 

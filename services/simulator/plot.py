@@ -13,6 +13,16 @@ from services.simulator.sim import RunResult
 MAX_COLS = 600   # time bins of a heat map
 
 
+def _f(v: Any) -> str:
+    """A 0..1 measure for a title; "-" when it has no data (None)."""
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _bar_width(v: Any) -> float:
+    """A bar's width: NaN (no bar) for a measure without data, never a misleading 0."""
+    return float("nan") if v is None else float(v)
+
+
 def _binned(r: RunResult) -> tuple[np.ndarray, float, float]:
     """Per-rank scheduled tokens per second, in MAX_COLS time bins."""
     if r.step_t.size == 0:
@@ -41,8 +51,8 @@ def plot_results(results: list[RunResult], doc: dict[str, Any], path: str | Path
         im = ax.imshow(m, aspect="auto", origin="lower", extent=(t0, t1, -0.5, m.shape[0] - 0.5),
                        cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
         p = doc["policies"].get(r.name, {})
-        ax.set_title(f"{r.name}: scheduled tokens/s per rank (balance {p.get('balance_ratio', 0):.3f}, "
-                     f"idle fwd {p.get('idle_forward_fraction', 0):.3f})", fontsize=9)
+        ax.set_title(f"{r.name}: scheduled tokens/s per rank (balance {_f(p.get('balance_ratio'))}, "
+                     f"idle fwd {_f(p.get('idle_forward_fraction'))})", fontsize=9)
         ax.set_ylabel("rank")
         if k == n - 1:
             ax.set_xlabel("time (s)")
@@ -50,8 +60,8 @@ def plot_results(results: list[RunResult], doc: dict[str, Any], path: str | Path
 
     ax = fig.add_subplot(gs[n, 0])
     names = [r.name for r in results]
-    bal = [doc["policies"][x]["balance_ratio"] for x in names]
-    idle = [doc["policies"][x]["idle_forward_fraction"] for x in names]
+    bal = [_bar_width(doc["policies"][x]["balance_ratio"]) for x in names]
+    idle = [_bar_width(doc["policies"][x]["idle_forward_fraction"]) for x in names]
     y = np.arange(len(names))
     ax.barh(y - 0.2, bal, height=0.4, label="balance ratio")
     ax.barh(y + 0.2, idle, height=0.4, label="idle-forward fraction")

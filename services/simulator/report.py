@@ -72,7 +72,7 @@ def summarize(r: RunResult, ideal_tok_s: float | None) -> dict[str, Any]:
         **_ms(measures.percentiles(r.step_dur, weights=r.decode_tokens), "itl"),
         **_ms(measures.percentiles(e2e), "e2e"),
         "throughput_tok_s": tput,
-        "efficiency_vs_ideal": measures.efficiency_vs_ideal(tput, ideal_tok_s) if ideal_tok_s else math.nan,
+        "efficiency_vs_ideal": measures.efficiency_vs_ideal(tput, ideal_tok_s),
         "completed": int(done.sum()),
         "requests": int(r.arrival.size),
         "steps": int(r.step_dur.size),
@@ -108,7 +108,8 @@ def best_policies(doc: dict[str, Any], lockstep_names: set[str]) -> dict[str, st
 
 
 def fmt(key: str, v: Any) -> str:
-    if v is None:
+    """One table cell; "-" for a measure without data (None, or a NaN not yet cleaned)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     for k, _, f in COLUMNS:
         if k == key:
