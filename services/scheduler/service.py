@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import traceback
 import uuid
 from collections import OrderedDict
 from typing import Any
@@ -25,6 +26,7 @@ from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
 from shared.policy.aggregator import StepAggregator
 from shared.policy.base import Assignment, RequestInfo
 from shared.policy.registry import make_policy
+from shared.policy.staggered import BatcherFull
 from shared.settings import SchedulerSettings
 from shared.stats import RankStats, Snapshot
 from shared.wake import wake_if_paused
@@ -32,6 +34,7 @@ from shared import trace
 
 ASSIGNED_MEMORY = 200_000   # request id -> rank, for routing aborts (LRU, bounded)
 ORPHAN_SCAN_S = 2.0         # look for work left behind by dead ranks (and trim) this often, and at once on changes
+RETRY_DEFERRED_S = 0.5      # take back entries left unacked on purpose (back-pressure, an error) after this
 
 
 class SchedulerService:
@@ -60,6 +63,7 @@ class SchedulerService:
         self.ever_alive: set[int] = set()   # ranks seen alive: only those can have died
         self.consumers: dict[int, bytes | None] = {}   # rank -> consumer name of its current incarnation
         self._dispatching = False             # the pipeline being built writes work to an inbox
+        self._retry_at = 0.0                  # monotonic time to take back deferred entries (0: none)
 
     async def run(self) -> int:
         r = await open_service_connection(self.s.redis_url, self.log, self.stop)
@@ -93,12 +97,26 @@ class SchedulerService:
 
     async def _resilient(self, what: str, iteration: Any) -> None:
         """Run one loop's iterations forever; ride out Redis outages with backoff (and
-        remember the outage: the request loop then re-takes what it read but did not ack)."""
+        remember the outage: the request loop then re-takes what it read but did not ack).
+        Any other error is logged and the loop goes on after a short backoff: a loop that
+        ended would leave the leader holding the lease while doing nothing (or exit it)."""
         async def note_trouble() -> None:
             self._redis_trouble = True
 
+        failures = 0
         while True:
-            await retrying(iteration, log=self.log, what=what, on_retry=note_trouble)
+            try:
+                await retrying(iteration, log=self.log, what=what, on_retry=note_trouble)
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a bug in one iteration must not stop the service
+                failures += 1
+                self._redis_trouble = True   # re-take what was read and not acked
+                if failures in (1, 2, 4, 8) or failures % 64 == 0:
+                    self.log.error("loop_iteration_failed", loop=what, error=repr(exc), failures=failures,
+                                   where=_where(exc))
+                await asyncio.sleep(min(2.0, 0.05 * 2 ** min(failures, 6)))
 
     # ------------------------------------------------------------------ leadership
     async def _become_leader(self) -> bool:
@@ -159,10 +177,16 @@ class SchedulerService:
             # After start-up or an outage: the group may be gone (restarted server) and
             # entries may have been read but not acked: take them again, idempotently.
             await ensure_group(self.r, self.keys.requests, K.SCHEDULER_GROUP, "0")
+            self._retry_at = 0.0
             await self._reclaim_pending()
             self._redis_trouble = False
+        elif self._retry_at and time.monotonic() >= self._retry_at:
+            # Entries deliberately left unacked (back-pressure, a failed hand-off): again.
+            self._retry_at = 0.0
+            await self._reclaim_pending()
+        block = 1000 if not self._retry_at else max(1, min(1000, int((self._retry_at - time.monotonic()) * 1000)))
         resp = await self.r.xreadgroup(K.SCHEDULER_GROUP, self.id, {self.keys.requests: ">"},
-                                       count=self.s.read_count, block=1000)
+                                       count=self.s.read_count, block=block)
         entries = decode_entries(resp)
         if entries:
             if trace.ENABLED:
@@ -192,6 +216,10 @@ class SchedulerService:
 
     async def _handle(self, entries: list[tuple[bytes, bytes, dict[str, Any]]],
                       placed: list[Any] | None = None) -> None:
+        """Dispatch, hold or route each entry; ack only what was emitted (in the same
+        transaction) or is malformed for good. A held entry stays pending in the group (a
+        successor reclaims it); one the policy could not take (``BatcherFull``, an error)
+        stays pending too and is taken back after ``RETRY_DEFERRED_S``."""
         now = time.time()
         # A transaction: the ranks' blocked reads see the inbox writes and the wake-up
         # notice together (shared/wake.py).
@@ -203,6 +231,17 @@ class SchedulerService:
                 if kind == "req":
                     req = Request.from_dict(doc)
                     info = RequestInfo(req.id, req.prompt_tokens, req.params.max_tokens, req.arrival)
+                elif kind == "abort":
+                    ab = Abort.from_dict(doc)
+                else:
+                    raise ValueError(f"unknown kind {kind!r}")
+            except Exception as exc:  # noqa: BLE001 - malformed for good: drop it (counted), do not stop
+                self.counters["bad_entries"] += 1
+                self.log.warning("bad_request_entry", entry=eid.decode(), error=str(exc))
+                acks.append(eid)
+                continue
+            try:
+                if kind == "req":
                     if placed is not None and placed[i] is not None:
                         # Dispatched before (reclaimed after a crash or outage): same rank again.
                         req.rank = int(placed[i])
@@ -214,28 +253,39 @@ class SchedulerService:
                         acks.append(eid)
                     elif self.batching:
                         self.held[req.id] = (eid, req)
-                        released = self.policy.submit(info, now)
-                        acks.extend(self._release(pipe, a, now) for a in released)
+                        try:
+                            released = self.policy.submit(info, now)
+                        except BaseException:
+                            self.held.pop(req.id, None)
+                            raise
+                        acks.extend(e for e in (self._release(pipe, a, now) for a in released) if e is not None)
                         self._record_batches(pipe, released)
                         self.wake_batcher.set()
                     else:
                         self._emit(pipe, req, self.policy.choose(info, now), now)
                         acks.append(eid)
-                elif kind == "abort":
-                    self._route_abort(pipe, Abort.from_dict(doc))
-                    acks.append(eid)
                 else:
-                    raise ValueError(f"unknown kind {kind!r}")
-            except Exception as exc:  # noqa: BLE001 - one bad entry must not stop dispatch
-                self.counters["bad_entries"] += 1
-                self.log.warning("bad_request_entry", entry=eid.decode(), error=str(exc))
-                acks.append(eid)
+                    self._route_abort(pipe, ab)
+                    acks.append(eid)
+            except BatcherFull as exc:
+                # Back-pressure: leave it on the stream (pending, unacked) and try again later.
+                self.counters["deferred"] = self.counters.get("deferred", 0) + 1
+                self.log.warning("batcher_full", entry=eid.decode(), error=str(exc))
+                self._defer()
+            except Exception as exc:  # noqa: BLE001 - one entry must not stop dispatch; it is not lost
+                self.counters["deferred"] = self.counters.get("deferred", 0) + 1
+                self.log.error("request_entry_failed", entry=eid.decode(), error=repr(exc), where=_where(exc))
+                self._defer()
         if acks:
             pipe.xack(self.keys.requests, K.SCHEDULER_GROUP, *acks)
         self._post_wake(pipe)
         if trace.ENABLED:
             trace.mark("sched_sent")
         await pipe.execute()
+
+    def _defer(self) -> None:
+        if not self._retry_at:
+            self._retry_at = time.monotonic() + RETRY_DEFERRED_S
 
     def _post_wake(self, pipe: Any) -> None:
         """With the inbox writes: wake the group if it sleeps (shared/wake.py)."""
@@ -265,8 +315,14 @@ class SchedulerService:
             self.assigned.popitem(last=False)
         self.counters["dispatched"] += 1
 
-    def _release(self, pipe: Any, a: Assignment, now: float) -> bytes:
-        eid, req = self.held.pop(a.request_id)
+    def _release(self, pipe: Any, a: Assignment, now: float) -> bytes | None:
+        held = self.held.pop(a.request_id, None)
+        if held is None:
+            # The batcher released a request this service no longer holds (it cannot when
+            # aborts drop it from the batcher too): skip it rather than lose the batch.
+            self.log.error("released_request_not_held", request_id=a.request_id, batch=a.batch)
+            return None
+        eid, req = held
         self._emit(pipe, req, a, now)
         return eid
 
@@ -304,9 +360,10 @@ class SchedulerService:
         if released:
             now = time.time()
             pipe = self.r.pipeline(transaction=True)   # with the wake-up (shared/wake.py)
-            acks = [self._release(pipe, a, now) for a in released]
+            acks = [e for e in (self._release(pipe, a, now) for a in released) if e is not None]
             self._record_batches(pipe, released)
-            pipe.xack(self.keys.requests, K.SCHEDULER_GROUP, *acks)
+            if acks:
+                pipe.xack(self.keys.requests, K.SCHEDULER_GROUP, *acks)
             self._post_wake(pipe)
             await pipe.execute()
 
@@ -407,6 +464,11 @@ class SchedulerService:
             n = sum(len(v) for v in by_api.values())
             self.counters["resumed"] = self.counters.get("resumed", 0) + n
             self.log.warning("resuming_requests_of_dead_ranks", n=n)
+
+
+def _where(exc: BaseException) -> str:
+    """The innermost frames of an error, for one log line (the JSON logs carry no tracebacks)."""
+    return " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(exc.__traceback__)[-4:]))
 
 
 def main(settings: SchedulerSettings) -> int:

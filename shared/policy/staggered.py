@@ -334,6 +334,15 @@ class StaggeredBatcher:
             return self._held[0].t
         return self._min_deadline
 
+    def drop(self, request_id: str) -> bool:
+        """Forget a held request (its client went away); True if it was held."""
+        for h in self._held:
+            if h.req.id == request_id:
+                self._held.remove(h)
+                self._min_deadline = min((x.deadline for x in self._held), default=None)
+                return True
+        return False
+
     def note_explicit(self, req: RequestInfo, rank: int, now: float) -> Assignment:
         self.explicit += 1
         seq = self._record_send(rank, req)

@@ -1,0 +1,165 @@
+"""The scheduler service driven directly (no cluster) against the real embedded Redis:
+held requests that are aborted, back-pressure, loops that survive errors, failover ids.
+
+Each test runs a ``SchedulerService`` in the test's event loop, writes request-stream
+entries the way an api-server does, and reads what reached the rank inboxes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, AsyncIterator
+
+import pytest
+
+from services.scheduler.service import SchedulerService
+from shared import keys as K
+from shared.bus import connect, decode_entries
+from shared.messages import FIELD, Abort, Request, SamplingParams, dumps
+from shared.policy.staggered import BatcherFull
+from shared.settings import SchedulerSettings
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _settings(redis_url: str, namespace: str, **kw: Any) -> SchedulerSettings:
+    base = dict(redis_url=redis_url, namespace=namespace, ranks=2, policy="staggered", max_wait_ms=300.0,
+                lease_ms=1000)
+    base.update(kw)
+    return SchedulerSettings(**base)
+
+
+def _req(rid: str, api: str = "apiT") -> bytes:
+    return dumps(Request(rid, api, list(b"hello"), SamplingParams(max_tokens=4), time.time()).to_dict())
+
+
+@contextlib.asynccontextmanager
+async def running(svc: SchedulerService) -> AsyncIterator[asyncio.Task]:
+    task = asyncio.create_task(svc.run())
+    r = connect(svc.s.redis_url)
+    try:
+        await wait_until(lambda: _leads(r, svc), timeout=10)
+        yield task
+    finally:
+        svc.stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+        await r.aclose()
+
+
+async def _leads(r: Any, svc: SchedulerService) -> bool:
+    return await r.get(svc.keys.leader) == svc.id.encode()
+
+
+async def _inbox_docs(r: Any, keys: K.Keys, ranks: int = 2) -> dict[str, dict]:
+    out = {}
+    for rank in range(ranks):
+        for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(rank)))]):
+            if doc.get("k") == "req":
+                out[doc["id"]] = doc
+    return out
+
+
+async def test_aborting_a_held_request_loses_no_other_request(redis_url, namespace):
+    """Issue #14.2: an abort of a held request drops it from the batcher too; the next
+    batch goes out whole and nothing is acked that was not emitted."""
+    svc = SchedulerService(_settings(redis_url, namespace))
+    keys = svc.keys
+    r = connect(redis_url)
+    try:
+        async with running(svc) as task:
+            await r.xadd(keys.requests, {FIELD: _req("A")})
+            await wait_until(lambda: _held(svc, "A"), timeout=5)
+            await r.xadd(keys.requests, {FIELD: dumps(Abort("A").to_dict())})
+            # The client of A gets its abort straight from the scheduler (A never reached a rank).
+            await wait_until(lambda: _out_has_abort(r, keys, "apiT", "A"), timeout=5)
+            for rid in ("B", "C"):
+                await r.xadd(keys.requests, {FIELD: _req(rid)})
+            docs = await wait_until(lambda: _have(r, keys, {"B", "C"}), timeout=5)
+            assert "A" not in docs
+            assert not task.done(), "the scheduler stopped"
+            assert docs["B"]["b"] == docs["C"]["b"], "B and C go out as one batch"
+            assert sum(docs["B"]["bc"]) == 2, "the batch counts do not include the aborted request"
+            # Everything was either emitted or answered: nothing left pending or held.
+            await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
+            assert not svc.held
+    finally:
+        await r.aclose()
+
+
+async def test_batcher_full_leaves_the_entry_on_the_stream(redis_url, namespace, monkeypatch):
+    """Issue #14.2: ``BatcherFull`` is back-pressure: the entry is not acked, and it is
+    dispatched once the batcher takes it."""
+    svc = SchedulerService(_settings(redis_url, namespace, max_wait_ms=20.0))
+    real_submit = svc.policy.submit
+    calls = {"n": 0}
+
+    def submit(info, now):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise BatcherFull("full (test)")
+        return real_submit(info, now)
+
+    monkeypatch.setattr(svc.policy, "submit", submit)
+    r = connect(redis_url)
+    try:
+        async with running(svc) as task:
+            await r.xadd(svc.keys.requests, {FIELD: _req("X")})
+            await wait_until(lambda: _have(r, svc.keys, {"X"}), timeout=10)
+            assert calls["n"] >= 2
+            assert not task.done()
+            assert svc.counters["bad_entries"] == 0
+    finally:
+        await r.aclose()
+
+
+async def test_a_failing_loop_goes_on(redis_url, namespace, monkeypatch):
+    """Issue #14.2: a non-Redis error in a loop is logged and the loop goes on; the
+    scheduler never exits on it."""
+    svc = SchedulerService(_settings(redis_url, namespace, max_wait_ms=20.0))
+    real_poll = svc.policy.poll
+    calls = {"n": 0}
+
+    def poll(now):
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            raise RuntimeError("a bug (test)")
+        return real_poll(now)
+
+    monkeypatch.setattr(svc.policy, "poll", poll)
+    r = connect(redis_url)
+    try:
+        async with running(svc) as task:
+            await wait_until(lambda: _true(calls["n"] >= 1), timeout=5)
+            await r.xadd(svc.keys.requests, {FIELD: _req("Y")})
+            await wait_until(lambda: _have(r, svc.keys, {"Y"}), timeout=10)
+            assert not task.done(), "the scheduler exited on a loop error"
+    finally:
+        await r.aclose()
+
+
+async def _true(v: bool) -> bool:
+    return v
+
+
+async def _held(svc: SchedulerService, rid: str) -> bool:
+    return rid in svc.held
+
+
+async def _have(r: Any, keys: K.Keys, ids: set[str]) -> dict[str, dict] | None:
+    docs = await _inbox_docs(r, keys)
+    return docs if ids <= set(docs) else None
+
+
+async def _out_has_abort(r: Any, keys: K.Keys, api: str, rid: str) -> bool:
+    for _, _, doc in decode_entries([(b"x", await r.xrange(keys.out(api)))]):
+        if any(d.get("id") == rid and d.get("f") == "abort" for d in doc.get("ds", ())):
+            return True
+    return False
+
+
+async def _nothing_pending(r: Any, keys: K.Keys) -> bool:
+    info = await r.xpending(keys.requests, K.SCHEDULER_GROUP)
+    return not info.get("pending")
