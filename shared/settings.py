@@ -62,6 +62,27 @@ class Settings:
         return d
 
 
+DISPATCH_MODES = ("scheduler", "client")
+
+
+def check_policy_dispatch(policy: str, dispatch: str) -> None:
+    """Refuse, with a message that says what to use instead, a dispatch mode or policy
+    that cannot be served. Every combination this accepts is served (tests/test_combinations.py)."""
+    from shared.policy.registry import policy_names
+
+    if dispatch not in DISPATCH_MODES:
+        raise ValueError(f"dispatch must be 'scheduler' or 'client', not {dispatch!r}")
+    if policy not in policy_names():
+        raise ValueError(f"unknown policy {policy!r}; choose one of: {', '.join(policy_names())}")
+    if policy == "staggered" and dispatch == "client":
+        others = ", ".join(p for p in policy_names() if p != "staggered")
+        raise ValueError(
+            "policy 'staggered' needs dispatch 'scheduler': a staggered batch is formed and tagged by the one "
+            "scheduler (api-servers choosing on their own would each split the traffic into batches no rank "
+            "could gate together). Use --dispatch scheduler --policy staggered, or keep --dispatch client with "
+            f"one of: {others}.")
+
+
 @dataclass
 class ApiServerSettings(Settings):
     api_id: str = field(default="", metadata={"help": "This replica's id (its output stream is <ns>:out:<api_id>); random when empty."})
@@ -74,14 +95,19 @@ class ApiServerSettings(Settings):
     request_timeout_s: float = field(default=600.0, metadata={"help": "Longest a request may wait for its tokens."})
     api_keys: list[str] = field(default_factory=list, metadata={"help": "Accepted API keys (comma list); empty = no auth."})
     dispatch: str = field(default="scheduler", metadata={"help": "'scheduler' or 'client' (the replica picks ranks itself)."})
-    policy: str = field(default="least_score", metadata={"help": "Dispatch policy in client-dispatch mode."})
+    policy: str = field(default="least_score", metadata={"help": "Dispatch policy in client-dispatch mode (round_robin, least_score, least_tokens; staggered needs dispatch 'scheduler': refused at start)."})
     num_api_servers: int = field(default=1, metadata={"help": "Replicas in the cluster (scales the local bump in client mode)."})
+
+    def __post_init__(self) -> None:
+        # The policy is this replica's only in client dispatch (else the scheduler's).
+        if self.dispatch != "scheduler":
+            check_policy_dispatch(self.policy, self.dispatch)
 
 
 @dataclass
 class SchedulerSettings(Settings):
     policy: str = field(default="least_score", metadata={"help": "Dispatch policy (round_robin, least_score, least_tokens, staggered)."})
-    dispatch: str = field(default="scheduler", metadata={"help": "'scheduler' or 'client'."})
+    dispatch: str = field(default="scheduler", metadata={"help": "'scheduler' or 'client' (api-servers pick ranks; refused with policy staggered)."})
     num_api_servers: int = field(default=1, metadata={"help": "api-server replicas (for the local-view bump)."})
     ranks: int = field(default=4, metadata={"help": "DP ranks expected in the engine group."})
     read_count: int = field(default=512, metadata={"help": "Requests read per stream round trip."})
@@ -90,6 +116,9 @@ class SchedulerSettings(Settings):
     max_wait_ms: float = field(default=0.0, metadata={"help": "Staggered: longest a request is held; 0 = learned (about two steps)."})
     lease_ms: int = field(default=1000, metadata={"help": "Leadership lease (renewed every third of it); a standby takes over after it lapses."})
     metrics_port: int = field(default=0, metadata={"help": "Serve Prometheus metrics (lockstep_*) on this port; 0 = off."})
+
+    def __post_init__(self) -> None:
+        check_policy_dispatch(self.policy, self.dispatch)
 
 
 @dataclass

@@ -56,7 +56,7 @@ def up(
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
 ) -> None:
     """Start a local cluster: Redis (embedded unless --redis-url), scheduler, engine ranks, api-servers."""
-    from services.admin.up import LocalCluster, UpOptions, banner
+    from services.admin.up import LocalCluster, UpOptions, banner, check_options
     from shared.bus import RedisUnreachable
     from shared.redis_server import ServerNotFound
 
@@ -73,13 +73,17 @@ def up(
                      time_scale=time_scale, log_level=log_level, schedulers=schedulers, spares=spares,
                      extra_env={**({"LOCKSTEP_MAX_WAIT_MS": f"{max_wait_ms:g}"} if max_wait_ms is not None else {}),
                                 **({"LOCKSTEP_ALIGN_TOKENS": "1"} if align_tokens else {})})
+    try:
+        check_options(opts)
+    except ValueError as exc:
+        _fail(str(exc), 2)
     cluster = LocalCluster(opts, out=lambda m: typer.echo(m, err=True))
     typer.echo(f"lockstep: starting {ranks} {backend} ranks and {api_servers} api-servers...", err=True)
     try:
         cluster.start()
     except (RedisUnreachable, ServerNotFound) as exc:
         _fail(str(exc), 2)
-    except (RuntimeError, TimeoutError, KeyboardInterrupt) as exc:
+    except (RuntimeError, TimeoutError, ValueError, KeyboardInterrupt) as exc:
         cluster.stop()
         _fail(str(exc) or "interrupted", 1)
     typer.echo(banner(cluster))
@@ -122,7 +126,10 @@ def _settings(cls, sets: list[str]):  # type: ignore[no-untyped-def]
     unknown = [k for k in overrides if k.upper() not in known]
     if unknown:
         _fail(f"unknown setting(s) {unknown}; see `lockstep config` or docs/configuration.md", 2)
-    settings = cls.from_env(env)
+    try:
+        settings = cls.from_env(env)
+    except ValueError as exc:
+        _fail(str(exc), 2)
     if not settings.redis_url:
         _fail("no Redis URL: set LOCKSTEP_REDIS_URL or --set redis_url=redis://HOST:PORT", 2)
     return settings

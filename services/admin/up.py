@@ -87,6 +87,7 @@ class LocalCluster:
 
     def _start(self) -> None:
         o = self.o
+        check_options(o)   # refuse a combination the services would refuse, before starting any
         if o.redis_url:
             self.url = o.redis_url
         else:
@@ -313,6 +314,16 @@ class LocalCluster:
             self.redis.stop()
             self.redis = None
         local_state.remove(self.o.namespace, os.getpid())
+
+
+def check_options(opts: UpOptions) -> list[Any]:
+    """The settings every child of ``up`` would start with (from the environment it gets);
+    raises ValueError, with a message saying what to use instead, for a combination the
+    services refuse (e.g. ``--dispatch client --policy staggered``). Returns them."""
+    from shared.settings import ApiServerSettings, EngineSettings, SchedulerSettings
+
+    env = LocalCluster(opts, out=lambda _: None)._env()
+    return [cls.from_env(env) for cls in (SchedulerSettings, ApiServerSettings, EngineSettings)]
 
 
 def _tail(path: Path, n: int = 15) -> str:

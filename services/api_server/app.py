@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response, StreamingResponse
 
 from services.api_server.errors import ApiError, error_response
-from services.api_server.gateway import Gateway, RequestChannel
+from services.api_server.gateway import Gateway, RequestChannel, client_policy
 from services.api_server.metrics import ApiMetrics
 from services.api_server.protocol import CHAT_SCHEMA, COMPLETION_SCHEMA, ParsedRequest, openapi_body, parse
 from shared import keys as K
@@ -105,11 +105,7 @@ def create_app(settings: ApiServerSettings) -> Any:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         r = connect(settings.redis_url)
-        policy = None
-        if settings.dispatch == "client":
-            from shared.policy.registry import make_policy
-            policy = make_policy(settings.policy, dispatcher_id=f"api-{api_id}", client_mode=True,
-                                 num_api_servers=settings.num_api_servers)
+        policy = client_policy(settings, api_id)
         gw = Gateway(r, keys, api_id, dispatch=settings.dispatch, policy=policy, log=log, metrics=metrics)
         await gw.start()
         state["gw"], state["r"] = gw, r

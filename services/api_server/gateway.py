@@ -71,11 +71,25 @@ class RequestChannel:
             self.event.set()
 
 
+def client_policy(settings: Any, api_id: str) -> Any:
+    """The policy a replica dispatches with in client-dispatch mode (None otherwise).
+    Its dispatcher id carries the replica's incarnation (``api_id`` is per process)."""
+    if settings.dispatch != "client":
+        return None
+    from shared.policy.registry import make_policy
+    return make_policy(settings.policy, dispatcher_id=f"api-{api_id}", client_mode=True,
+                       num_api_servers=settings.num_api_servers)
+
+
 class Gateway:
     def __init__(self, r: Any, keys: K.Keys, api_id: str, *, dispatch: str = "scheduler",
                  policy: Any = None, log: Any = None, metrics: Any = None) -> None:
         self.r, self.keys, self.api_id, self.log, self.metrics = r, keys, api_id, log, metrics
         self.client_dispatch = dispatch == "client"
+        if self.client_dispatch and policy is not None and not hasattr(policy, "choose"):
+            # (Settings validation refuses this first; never answer every request with 500.)
+            raise ValueError(f"policy {getattr(policy, 'name', policy)!r} cannot place requests one by one "
+                             "(client dispatch); use dispatch 'scheduler' for it")
         self.policy = policy
         self.channels: dict[str, RequestChannel] = {}
         self.rank_of: dict[str, int] = {}
