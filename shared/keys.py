@@ -118,6 +118,12 @@ class Keys:
         return f"{self.ns}:leader"
 
     @property
+    def incarnation(self) -> str:
+        """String counter: each scheduler leader INCRs it and dispatches as
+        ``scheduler.<n>`` (dispatcher id, batch ids ``scheduler.<n>-<k>``)."""
+        return f"{self.ns}:incarnation"
+
+    @property
     def scheduler(self) -> str:
         """Hash: the leading scheduler's state and counters."""
         return f"{self.ns}:scheduler"
@@ -142,6 +148,6 @@ class Keys:
             self.requests, self.inbox("{r}"), self.out("{api}"), self.req("{id}"),  # type: ignore[arg-type]
             self.step("{wave}", "{step}"), self.stats, self.snapshot, self.steps,  # type: ignore[arg-type]
             self.batch("{id}"), self.rank_alive("{r}"), self.rank_info("{r}"),  # type: ignore[arg-type]
-            self.spare("{token}"), self.vacancies, self.dist, self.wave, self.paused, self.leader, self.scheduler, self.api_alive("{api}"),
+            self.spare("{token}"), self.vacancies, self.dist, self.wave, self.paused, self.leader, self.incarnation, self.scheduler, self.api_alive("{api}"),
             self.cluster, self.drained,
         ]

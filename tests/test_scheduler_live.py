@@ -17,7 +17,7 @@ from services.scheduler.service import SchedulerService
 from shared import keys as K
 from shared.bus import connect, decode_entries
 from shared.messages import FIELD, Abort, Request, SamplingParams, dumps
-from shared.policy.staggered import BatcherFull
+from shared.policy.staggered import BatcherFull, StaggeredBatcher
 from shared.settings import SchedulerSettings
 from tests.helpers import wait_until
 
@@ -93,16 +93,17 @@ async def test_batcher_full_leaves_the_entry_on_the_stream(redis_url, namespace,
     """Issue #14.2: ``BatcherFull`` is back-pressure: the entry is not acked, and it is
     dispatched once the batcher takes it."""
     svc = SchedulerService(_settings(redis_url, namespace, max_wait_ms=20.0))
-    real_submit = svc.policy.submit
+    real_submit = StaggeredBatcher.submit
     calls = {"n": 0}
 
-    def submit(info, now):
+    def submit(self, info, now):
         calls["n"] += 1
         if calls["n"] == 1:
             raise BatcherFull("full (test)")
-        return real_submit(info, now)
+        return real_submit(self, info, now)
 
-    monkeypatch.setattr(svc.policy, "submit", submit)
+    # (On the class: the leader builds its policy when it takes the lease.)
+    monkeypatch.setattr(StaggeredBatcher, "submit", submit)
     r = connect(redis_url)
     try:
         async with running(svc) as task:
@@ -119,16 +120,16 @@ async def test_a_failing_loop_goes_on(redis_url, namespace, monkeypatch):
     """Issue #14.2: a non-Redis error in a loop is logged and the loop goes on; the
     scheduler never exits on it."""
     svc = SchedulerService(_settings(redis_url, namespace, max_wait_ms=20.0))
-    real_poll = svc.policy.poll
+    real_poll = StaggeredBatcher.poll
     calls = {"n": 0}
 
-    def poll(now):
+    def poll(self, now):
         calls["n"] += 1
         if calls["n"] <= 2:
             raise RuntimeError("a bug (test)")
-        return real_poll(now)
+        return real_poll(self, now)
 
-    monkeypatch.setattr(svc.policy, "poll", poll)
+    monkeypatch.setattr(StaggeredBatcher, "poll", poll)
     r = connect(redis_url)
     try:
         async with running(svc) as task:

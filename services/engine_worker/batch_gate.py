@@ -26,17 +26,35 @@ from dataclasses import dataclass, field
 
 from services.engine_worker.sequence import Sequence
 
-GATED_DISPATCHER = "scheduler"   # batches of the single scheduler are gated (see docs)
+GATED_DISPATCHER = "scheduler"   # batches of the scheduler (any incarnation) are gated (see docs)
+INCARNATION_SHIFT = 40           # batch numbers per incarnation: 2**40; incarnations: 2**23 (int64 rows)
 
 
 def batch_number(batch_id: str | None) -> int:
-    """'scheduler-17' -> 17; 0 for no batch or a batch of another dispatcher."""
+    """The batch's number, ordered across scheduler incarnations; 0 for no batch or a
+    batch of another dispatcher.
+
+    A leader's batch ids are ``scheduler.<incarnation>-<n>`` (incarnation = the leader's
+    number from ``<ns>:incarnation``, n = 1, 2, ...): the number is
+    ``incarnation << 40 | n``, so every batch of a new leader sorts after every batch of the
+    old one and the ranks' ``complete`` marks of the old leader never cover a new batch.
+    ``scheduler-17`` (no incarnation: the simulator's single scheduler) -> 17."""
     if not batch_id:
         return 0
     prefix, _, n = batch_id.rpartition("-")
-    if prefix != GATED_DISPATCHER or not n.isdigit():
+    if not n.isdigit():
         return 0
-    return int(n)
+    if prefix == GATED_DISPATCHER:
+        inc = 0
+    else:
+        head, dot, tail = prefix.partition(".")
+        if head != GATED_DISPATCHER or not dot or not tail.isdigit():
+            return 0
+        inc = int(tail)
+    num = int(n)
+    if num >= 1 << INCARNATION_SHIFT or inc >= 1 << (63 - INCARNATION_SHIFT):
+        return 0   # out of range for the collective's int64 rows: not gated rather than wrong
+    return inc << INCARNATION_SHIFT | num
 
 
 @dataclass

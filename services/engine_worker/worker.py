@@ -28,6 +28,7 @@ from shared.settings import EngineSettings
 from shared.stats import RankStats
 from services.engine_worker.block_manager import BlockManager
 from services.engine_worker.membership import ClaimFailed, GroupMembership
+from services.engine_worker.recv_marks import RecvMarks
 from services.engine_worker.batch_gate import BatchGate, batch_number
 from services.engine_worker.lockstep import (F_ALIGN, F_DECODE, F_GATE, F_GATE_HELD, F_MUST, F_RELEASE, F_TOKENS,
                                              Action, GroupBroken, StepView)
@@ -53,7 +54,7 @@ class EngineWorker(GroupMembership):
         self.inbox_last = b"0-0"          # last inbox entry delivered to this rank
         self.wave_last = b"0-0"           # last wake notice seen
         self.entry_of: dict[str, bytes] = {}   # seq id -> inbox entry id (acked at finish)
-        self.recv: dict[str, int] = {}    # dispatcher -> highest dispatch seq received
+        self.recv = RecvMarks()           # dispatcher incarnation -> highest dispatch seq received (bounded)
         self.fetched: list[tuple[bytes, dict[str, Any]]] = []
         # Inbox entries taken straight from the wake-up read, before this consumer claimed
         # them (entry id -> request id, None for an abort): the claim rides on the next
@@ -244,7 +245,7 @@ class EngineWorker(GroupMembership):
                         self._acks.append(eid)
                     continue
                 if req.dispatcher:
-                    self.recv[req.dispatcher] = max(self.recv.get(req.dispatcher, 0), req.dispatch_seq)
+                    self.recv.note(req.dispatcher, req.dispatch_seq, time.monotonic())
                 seq = Sequence.from_request(req, req.dispatcher or "", req.dispatch_seq)
                 self.entry_of[req.id] = eid
                 self.prompts[req.id] = req.prompt
@@ -279,7 +280,7 @@ class EngineWorker(GroupMembership):
             prefill=plan.prefill_tokens if ran else 0, decode=plan.decode_tokens if ran else 0,
             kv_used=self.core.kv_used, kv_total=self.core.kv_total,
             outstanding=self.core.outstanding_tokens(), idle=action is Action.IDLE,
-            dur_ms=round(dur_ms, 3), t=now, finished=finished, held=plan.held, recv=dict(self.recv),
+            dur_ms=round(dur_ms, 3), t=now, finished=finished, held=plan.held, recv=self.recv.as_dict(time.monotonic()),
             extra={"gate_full": self.gate.released_full, "gate_timeout": self.gate.released_timeout,
                    "preemptions": self.core.num_preemptions, "reforms": self.reforms, "gen": self.gen, "round_trips": self.round_trips,
                    "exchange_s": round(self.exchange_s, 6),

@@ -44,9 +44,11 @@ class SchedulerService:
         self.id = f"sched-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.log = configure("scheduler", settings.log_level, scheduler=self.id)
         self.ranks = list(range(settings.ranks))
-        self.policy = make_policy(settings.policy, dispatcher_id="scheduler",
-                                  num_api_servers=settings.num_api_servers, ranks=self.ranks,
-                                  **({"max_wait_ms": settings.max_wait_ms} if settings.policy == "staggered" else {}))
+        # The dispatcher id carries this leadership's incarnation (``scheduler.<n>``, set
+        # when it becomes leader): engines echo what they received per incarnation, and a new
+        # leader's batch numbers sort after the old one's (batch_gate.batch_number).
+        self.dispatcher_id = "scheduler"
+        self.policy = self._make_policy()
         self.batching = hasattr(self.policy, "submit")
         self.agg = StepAggregator(self.ranks, grace_s=settings.grace_ms / 1000,
                                   min_interval_s=settings.snapshot_min_interval_ms / 1000)
@@ -65,6 +67,11 @@ class SchedulerService:
         self._dispatching = False             # the pipeline being built writes work to an inbox
         self._retry_at = 0.0                  # monotonic time to take back deferred entries (0: none)
 
+    def _make_policy(self) -> Any:
+        s = self.s
+        return make_policy(s.policy, dispatcher_id=self.dispatcher_id, num_api_servers=s.num_api_servers,
+                           ranks=self.ranks, **({"max_wait_ms": s.max_wait_ms} if s.policy == "staggered" else {}))
+
     async def run(self) -> int:
         r = await open_service_connection(self.s.redis_url, self.log, self.stop)
         if r is None:
@@ -73,7 +80,7 @@ class SchedulerService:
         await ensure_group(self.r, self.keys.requests, K.SCHEDULER_GROUP, "0")
         if not await self._become_leader():
             return 0
-        self.log.info("scheduler_leading", policy=self.s.policy, ranks=self.s.ranks)
+        self.log.info("scheduler_leading", policy=self.s.policy, ranks=self.s.ranks, dispatcher=self.dispatcher_id)
         from services.scheduler.metrics import start_metrics
         self.metrics = start_metrics(self, self.s.metrics_port)
         tasks = [asyncio.create_task(c) for c in (
@@ -122,6 +129,8 @@ class SchedulerService:
     async def _become_leader(self) -> bool:
         while not self.stop.is_set():
             if await self.r.set(self.keys.leader, self.id, nx=True, px=self.s.lease_ms):
+                self.dispatcher_id = f"scheduler.{await self.r.incr(self.keys.incarnation)}"
+                self.policy = self._make_policy()   # nothing placed yet: a fresh view, under the new id
                 await self._announce()
                 return True
             try:
@@ -135,7 +144,7 @@ class SchedulerService:
         restarted server lost them)."""
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(self.keys.scheduler, mapping={"leader": self.id, "pid": os.getpid(), "policy": self.s.policy,
-                                                "since": time.time()})
+                                                "dispatcher": self.dispatcher_id, "since": time.time()})
         pipe.hset(self.keys.cluster, mapping={"ranks": self.s.ranks, "policy": self.s.policy,
                                               "dispatch": self.s.dispatch, "api_servers": self.s.num_api_servers})
         await pipe.execute()
@@ -297,7 +306,7 @@ class SchedulerService:
         req.rank = a.rank
         req.batch = a.batch
         req.batch_counts = list(a.batch_counts) if a.batch_counts else None
-        req.dispatcher = a.dispatcher or "scheduler"
+        req.dispatcher = a.dispatcher or self.dispatcher_id
         req.dispatch_seq = a.seq
         self._dispatching = True
         if getattr(self, "metrics", None) is not None:
