@@ -77,7 +77,8 @@ class EngineWorker(GroupMembership):
         self._early: list[Any] = []               # outputs decided at admission (rejections)
         self.round_trips = 0                      # Redis round trips of the step loop (goal: one per step)
         self.exchange_s = 0.0                     # wall time in the step collective (incl. waiting for peers)
-        self._reread_pending = False              # after a Redis error: re-read our pending entries
+        self._reread_from: str | bytes | None = None   # after a Redis error: re-read our pending entries from here
+        self._history_read = False                # the read in flight is such a re-read (paged until empty)
         self.gen = 0                              # generation of the engine group this rank is in
         self.reforms = 0
         self._reform_requested = False
@@ -363,16 +364,23 @@ class EngineWorker(GroupMembership):
         # A reply may have been lost after the server delivered inbox entries to us: read
         # this consumer's pending entries once more (ingest ignores what it already has).
         # A restarted server may have lost the consumer group: recreate it.
-        self._reread_pending = True
+        self._reread_from = "0"
         await ensure_group(self.r, self.keys.inbox(self.rank), K.ENGINE_GROUP, "0")
 
-    def _read_from(self) -> str:
-        if self._reread_pending:
-            self._reread_pending = False
-            return "0"
-        return ">"
+    def _read_from(self) -> str | bytes:
+        """'>' (new entries), or after a possibly lost reply this consumer's own pending
+        entries, page by page from the last one read until a page comes back empty (each
+        read takes at most ``count``: one page could strand the rest in our pending list)."""
+        self._history_read = self._reread_from is not None
+        return ">" if self._reread_from is None else self._reread_from
 
     def _take_fetched(self, resp: Any) -> None:
+        if self._history_read:
+            self._history_read = False
+            raw = _raw_entries(resp)
+            self._reread_from = raw[-1][0] if raw else None   # next page after it; None: done
+            # A pending entry deleted from the stream comes back without fields: ack it.
+            self._acks.extend(eid for eid, fields in raw if fields is None)
         for _, eid, doc in decode_entries(resp):
             if eid in self.prefetched:
                 # Admitted at wake-up; this read only made it ours. Already finished or an
@@ -447,6 +455,19 @@ class EngineWorker(GroupMembership):
                   maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
         pipe.delete(self.keys.paused)   # woken: a later dispatch must not send a notice too
         await self._execute(pipe)
+
+
+def _raw_entries(resp: Any) -> list[tuple[bytes, Any]]:
+    """(id, fields) of an XREADGROUP reply for one stream (RESP2 list or RESP3 dict)."""
+    if not resp:
+        return []
+    items = resp.items() if isinstance(resp, dict) else resp
+    out: list[tuple[bytes, Any]] = []
+    for _, entries in items:
+        if entries and isinstance(entries[0], list) and not isinstance(entries[0][0], bytes):
+            entries = entries[0]
+        out.extend((eid, fields) for eid, fields in entries)
+    return out
 
 
 def main(settings: EngineSettings) -> int:

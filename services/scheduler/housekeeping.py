@@ -17,16 +17,22 @@ from shared.messages import FIELD, dumps
 RECOVERY_CONSUMER = "recovery"
 
 
+PAGE = 1000   # entries claimed / read per round trip while resuming
+
+
 async def recover_orphans(r: Redis, keys: K.Keys, ranks: list[int], live: set[int],
                           ever_alive: set[int]) -> dict[str, list[str]]:
     """Resume the requests of dead ranks on live ones; returns {api: request ids} resumed.
 
     Each engine incarnation reads its inbox under its own consumer name and acks a request
     only when it finishes, so whatever a dead incarnation held is still pending under its
-    name. Those entries are claimed (atomically: one owner), acked, and their api-servers
-    get a ``resume`` notice: they resubmit the requests with the tokens already streamed,
-    and the new rank re-prefills prompt + those tokens and continues where the stream
-    stopped. Entries never delivered to a rank that died and stays dead are resumed too."""
+    name. Those entries are claimed (atomically: one owner) by the ``recovery`` consumer,
+    and then their api-servers' ``resume`` notices and the acks go in **one** MULTI/EXEC:
+    an entry is acked only with its notice. A crash in between leaves the entries pending
+    under ``recovery``, and the next scan resumes those first. Everything is paged
+    (``PAGE`` entries a round trip) until nothing is left, and a dead consumer is deleted
+    only once it holds nothing. Entries never delivered to a rank that died and stays dead
+    are resumed too (read by ``recovery``, then the same notice + ack)."""
     pipe = r.pipeline(transaction=False)
     for rank in ranks:
         pipe.hget(keys.rank_info(rank), "consumer")
@@ -42,32 +48,57 @@ async def recover_orphans(r: Redis, keys: K.Keys, ranks: list[int], live: set[in
         for c in consumers:
             c = {(k.decode() if isinstance(k, bytes) else k): v for k, v in c.items()}
             name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
-            if name == RECOVERY_CONSUMER or (alive and live_consumer is not None and name == live_consumer.decode()):
+            if name == RECOVERY_CONSUMER:
+                # Claimed by an earlier scan that stopped before its notices went out.
+                if int(c.get("pending", 0)):
+                    await _resume_pending(r, keys, inbox, RECOVERY_CONSUMER, by_api)
+                continue
+            if alive and live_consumer is not None and name == live_consumer.decode():
                 continue
             if int(c.get("pending", 0)):
-                pending = await r.xpending_range(inbox, K.ENGINE_GROUP, min="-", max="+", count=10_000,
-                                                 consumername=name)
-                ids = [p["message_id"] for p in pending]
-                if ids:
-                    claimed = await r.xclaim(inbox, K.ENGINE_GROUP, RECOVERY_CONSUMER, min_idle_time=0,
-                                             message_ids=ids)
-                    _collect(claimed, by_api)
-                    await r.xack(inbox, K.ENGINE_GROUP, *ids)
+                await _resume_pending(r, keys, inbox, name, by_api)
             await r.xgroup_delconsumer(inbox, K.ENGINE_GROUP, name)
         if not alive and rank in ever_alive:
             # (A rank still starting up has not died: its queue waits for it.)
-            resp = await r.xreadgroup(K.ENGINE_GROUP, RECOVERY_CONSUMER, {inbox: ">"}, count=10_000)
-            entries = [(eid, fields) for _, batch in (resp or []) for eid, fields in batch]
-            if entries:
-                _collect(entries, by_api)
-                await r.xack(inbox, K.ENGINE_GROUP, *[eid for eid, _ in entries])
-    if by_api:
-        pipe = r.pipeline(transaction=False)
-        for api, ids in by_api.items():
-            pipe.xadd(keys.out(api), {FIELD: dumps({"k": "resume", "ids": ids})},
-                      maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
-        await pipe.execute()
+            while True:
+                resp = await r.xreadgroup(K.ENGINE_GROUP, RECOVERY_CONSUMER, {inbox: ">"}, count=PAGE)
+                entries = [(eid, fields) for _, batch in (resp or []) for eid, fields in batch]
+                if not entries:
+                    break
+                await _notify_and_ack(r, keys, inbox, entries, by_api)
     return by_api
+
+
+async def _resume_pending(r: Redis, keys: K.Keys, inbox: str, consumer: str,
+                          by_api: dict[str, list[str]]) -> None:
+    """Claim, page by page, everything pending under ``consumer`` for ``recovery``; each
+    page's resume notices and acks in one transaction. Ends when nothing is pending."""
+    while True:
+        pending = await r.xpending_range(inbox, K.ENGINE_GROUP, min="-", max="+", count=PAGE,
+                                         consumername=consumer)
+        ids = [p["message_id"] for p in pending]
+        if not ids:
+            return
+        # (recovery's own leftovers too: XCLAIM returns the entries of the ids it owns)
+        claimed = await r.xclaim(inbox, K.ENGINE_GROUP, RECOVERY_CONSUMER, min_idle_time=0, message_ids=ids)
+        # Ids whose entries were trimmed or deleted are acked too (nothing to resume).
+        await _notify_and_ack(r, keys, inbox, [(eid, f) for eid, f in claimed if f], by_api, ack=ids)
+
+
+async def _notify_and_ack(r: Redis, keys: K.Keys, inbox: str, entries: list[Any],
+                          by_api: dict[str, list[str]], ack: list[Any] | None = None) -> None:
+    page: dict[str, list[str]] = {}
+    _collect(entries, page)
+    pipe = r.pipeline(transaction=True)
+    for api, ids in page.items():
+        pipe.xadd(keys.out(api), {FIELD: dumps({"k": "resume", "ids": ids})},
+                  maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
+    ack = ack if ack is not None else [eid for eid, _ in entries]
+    if ack:
+        pipe.xack(inbox, K.ENGINE_GROUP, *ack)
+    await pipe.execute()
+    for api, ids in page.items():
+        by_api.setdefault(api, []).extend(ids)
 
 
 def _collect(entries: list[Any], by_api: dict[str, list[str]]) -> None:
