@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from services.admin.simulate_cmd import register
 from services.simulator import runner, sim, workload
 from services.simulator.baselines import POLICY_NAMES
-from services.simulator.engine_model import BatchGate, EngineConfig, EngineGroup
+from services.engine_worker.lockstep import Action
+from services.simulator.engine_group import EngineConfig, EngineGroup
 from shared.cost_model import CostModel
 from shared.policy.base import Assignment
 
@@ -81,49 +82,93 @@ def test_every_request_completes_under_every_policy():
 def test_step_time_follows_the_busiest_rank():
     cost = CostModel(fixed_ms=10.0, token_ms=1.0, ctx_ms_per_1k=0.0)
     prompt = np.array([50, 5]); out = np.array([1, 1])
-    eng = EngineGroup(2, EngineConfig(), cost, prompt, out)
-    eng.ingest(0, 0)
-    eng.ingest(1, 1)
+    eng = EngineGroup(2, EngineConfig(), cost, prompt, out, out)
+    eng.deliver(None, 0, 0)
+    eng.deliver(None, 1, 1)
     s = eng.step(0.0)
     assert s.scheduled.tolist() == [50, 5]
     assert s.dur_s == pytest.approx(0.060)          # 10 + 1 * max(50, 5) ms
     assert sorted(s.finished) == [0, 1]
-    assert eng.step(s.dur_s) is None                 # nothing left: the group pauses
+    assert eng.step(s.dur_s) is Action.PAUSE         # nothing left: the group pauses
 
 
 def test_chunked_prefill_kv_budget_and_seq_limit():
     cfg = EngineConfig(max_num_batched_tokens=64, max_num_seqs=2, num_kv_blocks=10, block_size=16)
     prompt = np.array([100, 10, 10]); out = np.array([3, 3, 3])
-    eng = EngineGroup(1, cfg, CostModel(), prompt, out)
+    eng = EngineGroup(1, cfg, CostModel(), prompt, out, out)
     for i in range(3):
-        eng.ingest(0, i)
+        eng.deliver(None, i, 0)
     s = eng.step(0.0)
-    # request 0 needs 7 blocks, request 1 needs 1: both fit, request 2 has no seq slot
+    # request 0 takes the whole budget; request 2 has no seq slot until one finishes
     assert s.scheduled.tolist() == [64]
     s = eng.step(1.0)
     assert s.scheduled.tolist() == [36 + 10]         # rest of 0's prompt + 1's prompt
     while eng.done < 3:
-        assert eng.step(2.0) is not None
+        assert isinstance(eng.step(2.0), sim.StepOut)
     assert np.isfinite(eng.finish_t).all()
+
+
+def test_the_simulator_drives_the_engines_own_scheduler_and_gate():
+    """No second implementation: every simulated rank is the live engine's RankStep."""
+    from services.engine_worker.batch_gate import BatchGate as LiveGate
+    from services.engine_worker.rank_step import RankStep
+    from services.engine_worker.scheduler import EngineScheduler
+    eng = EngineGroup(2, EngineConfig(), CostModel(), np.array([10]), np.array([2]), np.array([100]))
+    assert all(type(r) is RankStep and type(r.core) is EngineScheduler and type(r.gate) is LiveGate
+               for r in eng.ranks)
+    import services.simulator as pkg
+    import pathlib
+    src = "\n".join(p.read_text() for p in pathlib.Path(pkg.__file__).parent.glob("*.py"))
+    for name in ("def schedule(", "def postprocess(", "def shared_budget(", "def after_exchange(",
+                 "class BlockManager", "def allocate("):
+        assert name not in src, f"the simulator has its own copy of {name}"
 
 
 def test_batch_gate_waits_for_the_whole_batch_or_its_timeout():
     prompt = np.array([10, 10]); out = np.array([2, 2])
-    eng = EngineGroup(2, EngineConfig(), CostModel(), prompt, out, gate=BatchGate(0.05))
-    a0 = Assignment("0", 0, batch="b1", batch_counts=(1, 1), dispatcher="s", seq=1)
+    eng = EngineGroup(2, EngineConfig(), CostModel(), prompt, out, out, gate_timeout_s=0.05)
+    a0 = Assignment("0", 0, batch="scheduler-1", batch_counts=(1, 1), dispatcher="s", seq=1)
     eng.deliver(a0, 0)
-    assert eng.step(0.0) is None                     # rank 1's share has not arrived
-    assert eng.held == [1, 0] and eng.recv[0] == {"s": 1}
-    a1 = Assignment("1", 1, batch="b1", batch_counts=(1, 1), dispatcher="s", seq=1)
+    assert eng.step(0.0) is Action.HOLD               # rank 1's share has not arrived
+    assert eng.recv[0] == {"s": 1}
+    a1 = Assignment("1", 1, batch="scheduler-1", batch_counts=(1, 1), dispatcher="s", seq=1)
     eng.deliver(a1, 1)
     s = eng.step(0.01)
     assert s.prefill.tolist() == [10, 10]            # both ranks prefill in the same step
-    eng2 = EngineGroup(2, EngineConfig(), CostModel(), prompt, out, gate=BatchGate(0.05))
+    eng2 = EngineGroup(2, EngineConfig(), CostModel(), prompt, out, out, gate_timeout_s=0.05)
     eng2.deliver(a0, 0)
-    assert eng2.step(0.0) is None
-    assert eng2.next_deadline() == pytest.approx(0.05)
-    assert eng2.step(0.049) is None
-    assert eng2.step(0.05).prefill.tolist() == [10, 0]   # timed out: one decision for all ranks
+    assert eng2.step(0.0) is Action.HOLD
+    assert eng2.step(0.049) is Action.HOLD
+    t = 0.05
+    while (s := eng2.step(t)) is Action.HOLD:        # rank 0 decides the timeout, all ranks follow
+        t += 0.002
+        assert t < 0.06
+    assert s.prefill.tolist() == [10, 0]
+
+
+def test_no_policy_sees_the_true_output_length():
+    tr = workload.generate("poisson", 40, 20.0, 2, api_servers=1)
+    seen = []
+
+    class Spy:
+        def __init__(self, **kw):
+            from shared.policy.dispatch import RoundRobin
+            self.inner = RoundRobin(dispatcher_id="scheduler", ranks=[0, 1])
+
+        def __getattr__(self, k):
+            return getattr(self.inner, k)
+
+        def choose(self, req, now):
+            seen.append(req.max_tokens)
+            return self.inner.choose(req, now)
+
+    cfg = sim.SimConfig(ranks=2, api_servers=1)
+    spec = sim.resolve_policies("round_robin", cfg)[0]
+    import dataclasses
+    r = sim.run_policy(tr, dataclasses.replace(spec, factory=lambda **kw: Spy()), cfg)
+    assert r.completed == 40
+    assert seen == (cfg.engine.max_model_len - tr.prompt).tolist()   # the client's cap, never the truth
+    assert r.output.tolist() == tr.output.tolist()                    # yet each ends at its true length
 
 
 def test_engines_echo_dispatch_seq_in_stats():

@@ -13,7 +13,10 @@ from services.engine_worker.scheduler import StepPlan
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, must_tokens,
                                                 shared_budget, trim_plan)
 from services.simulator import runner
-from services.simulator.engine_model import EngineConfig, EngineGroup
+from services.engine_worker.lockstep import Action
+from services.engine_worker.sequence import Sequence
+from services.simulator.engine_group import EngineConfig, EngineGroup
+from shared.messages import SamplingParams
 from shared.cost_model import CostModel
 
 CFG = BudgetConfig(max_tokens=2048, horizon=4, spread=0.0, min_chunk=0, max_delay_ms=300, step_ms=10)
@@ -114,11 +117,13 @@ def _chunk(sid, start, n, sample, prompt_len):
 
 
 def test_trim_plan_cuts_newest_prefill_and_keeps_decodes():
-    plan = StepPlan(chunks=[_chunk("d1", 50, 1, True, 40), _chunk("d2", 60, 1, True, 40),
-                            _chunk("c", 100, 300, True, 400),      # continuing prefill, finishes
-                            _chunk("n1", 0, 200, False, 500),      # admission, partial
-                            _chunk("n2", 0, 50, True, 50)],        # admission, whole prompt
-                    prefill_tokens=550, decode_tokens=2, max_context=400)
+    d1 = Sequence("d1", list(range(40)), SamplingParams(max_tokens=100), generated=list(range(11)))
+    d2 = Sequence("d2", list(range(40)), SamplingParams(max_tokens=100), generated=list(range(21)))
+    plan = StepPlan(decode_seqs=[d1, d2],
+                    prefill_chunks=[_chunk("c", 100, 300, True, 400),      # continuing prefill, finishes
+                                    _chunk("n1", 0, 200, False, 500),      # admission, partial
+                                    _chunk("n2", 0, 50, True, 50)],        # admission, whole prompt
+                    prefill_tokens=550, decode_tokens=2, max_context=400, decode_context=61)
     trim_plan(plan, 2 + 300 + 120)
     assert [c.seq_id for c in plan.chunks] == ["d1", "d2", "c", "n1"]
     assert plan.chunks[3].num_tokens == 120 and plan.chunks[3].sample is False
@@ -132,21 +137,22 @@ def test_trim_plan_cuts_newest_prefill_and_keeps_decodes():
     assert same is plan and plan.num_tokens == 2
 
 
-def test_engine_model_caps_the_big_prefill_and_meets_the_deadline():
+def test_engine_group_caps_the_big_prefill_and_meets_the_deadline():
     # rank 0: one 2000-token prompt; ranks 1..3: a short request each, decoding for long
     cost = CostModel()
     prompt = np.array([2000, 10, 10, 10]); out = np.array([5, 400, 400, 400])
     cfg = BudgetConfig(max_tokens=2048, max_delay_ms=300, step_ms=10)
-    eng = EngineGroup(4, EngineConfig(), cost, prompt, out, budget=cfg)
+    eng = EngineGroup(4, EngineConfig(), cost, prompt, out, out, budget=cfg)
     for i in (1, 2, 3):
-        eng.ingest(i, i, 0.0)
+        eng.deliver(None, i, i)
     t = 0.0
     s = eng.step(t); t += s.dur_s                     # ranks 1..3 prefill their 10 tokens
-    eng.ingest(0, 0, t)
+    eng.deliver(None, 0, 0)
     t0 = t
     biggest = 0
     while np.isnan(eng.first_t[0]):
         s = eng.step(t)
+        assert s is not Action.PAUSE
         biggest = max(biggest, int(s.scheduled[0]))
         t += s.dur_s
     assert biggest < 2000                             # spread over several steps

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import gc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
@@ -60,17 +60,28 @@ class Action(Enum):
 
 @dataclass(slots=True)
 class StepView:
-    """What one step's collective told every rank."""
+    """What one step's collective told every rank. ``memo`` holds per-step results that
+    are a pure function of the rows (computed once, whichever rank asks first)."""
 
     rows: list[list[int]]
+    memo: dict[str, Any] = field(default_factory=dict)
+
+    def _summary(self) -> tuple[bool, bool, int]:
+        s = self.memo.get("summary")
+        if s is None:
+            rows = self.rows
+            s = self.memo["summary"] = (any(r[F_STOP] for r in rows),
+                                        any(r[F_HAS_WORK] or r[F_TOKENS] for r in rows),
+                                        max(r[F_TOKENS] for r in rows))
+        return s
 
     @property
     def any_work(self) -> bool:
-        return any(r[F_HAS_WORK] or r[F_TOKENS] for r in self.rows)
+        return self._summary()[1]
 
     @property
     def max_tokens(self) -> int:
-        return max(r[F_TOKENS] for r in self.rows)
+        return self._summary()[2]
 
     @property
     def max_ctx(self) -> int:
@@ -82,13 +93,15 @@ class StepView:
     def set_column(self, field: int, values: list[int]) -> None:
         for row, v in zip(self.rows, values):
             row[field] = v
+        self.memo.pop("summary", None)
 
     def action(self, rank: int) -> Action:
-        if any(r[F_STOP] for r in self.rows):
+        stop, any_work, max_tokens = self._summary()
+        if stop:
             return Action.STOP
-        if not self.any_work:
+        if not any_work:
             return Action.PAUSE
-        if self.max_tokens == 0:
+        if max_tokens == 0:
             return Action.HOLD
         return Action.RUN if self.rows[rank][F_TOKENS] > 0 else Action.IDLE
 

@@ -4,7 +4,9 @@ stop handling. Pure: no I/O, no clock (``now`` is passed in).
 
 One step is ``plan = schedule(gate)`` -> the model runner computes ``plan.chunks`` and
 samples one token for every chunk with ``sample=True`` -> ``postprocess(plan, sampled,
-now)`` returns the new tokens to emit.
+now)`` returns the new tokens to emit. Decodes are kept as sequences (``plan.decode_seqs``)
+and become ChunkInputs only when a model runner asks for ``plan.chunks``: the hot path
+of a decode-heavy step (and of the simulator, which never asks) builds no objects.
 
 Scheduling order per step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
 
@@ -56,14 +58,18 @@ FINISHED = SeqStatus.FINISHED
 
 @dataclass(slots=True)
 class StepPlan:
-    """What one step computes on this rank."""
+    """What one step computes on this rank: one token for each of ``decode_seqs`` (their
+    last), then ``prefill_chunks``."""
 
-    chunks: list[ChunkInput] = field(default_factory=list)
+    decode_seqs: list[Sequence] = field(default_factory=list)
+    prefill_chunks: list[ChunkInput] = field(default_factory=list)
     prefill_tokens: int = 0
     decode_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
     max_context: int = 0         # largest context (start_pos + tokens) of any chunk
+    decode_context: int = 0      # largest context among the decodes
     held: int = 0                # waiting sequences the gate held this step
+    _chunks: list[ChunkInput] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +77,26 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not self.chunks
+        return not self.decode_seqs and not self.prefill_chunks
+
+    @property
+    def chunks(self) -> list[ChunkInput]:
+        """Every chunk the model runner computes, decodes first (built on first use)."""
+        if self._chunks is None:
+            out = []
+            for seq in self.decode_seqs:
+                gen, p = seq.generated, seq.params
+                out.append(ChunkInput(seq.id, [gen[-1]], len(seq.prompt) + len(gen) - 1, seq.block_table,
+                                      True, p.temperature, p.top_p, p.seed, len(seq.prompt)))
+            out.extend(self.prefill_chunks)
+            self._chunks = out
+        return self._chunks
+
+    def set_prefill(self, chunks: list[ChunkInput]) -> None:
+        """Replace the prefill chunks (token alignment trims them)."""
+        self.prefill_chunks = chunks
+        self._chunks = None
+        self.max_context = max([self.decode_context, *(c.context_len for c in chunks)])
 
 
 @dataclass(slots=True)
@@ -218,7 +243,8 @@ class EngineScheduler:
 
     def schedule(self, may_prefill: Callable[[Sequence], bool] | None = None) -> StepPlan:
         plan = StepPlan()
-        chunks = plan.chunks
+        chunks = plan.prefill_chunks
+        dseqs = plan.decode_seqs
         budget = self.max_num_batched_tokens
         bm = self.bm
         run = self.running
@@ -229,13 +255,14 @@ class EngineScheduler:
         bs = bm.block_size
         i = 0
         decodes = 0
+        prefilling = 0
         while i < len(run) and decodes < budget:
             seq = run[i]
             if seq.num_computed_tokens < seq.prefill_target:
+                prefilling += 1
                 i += 1
                 continue
-            gen = seq.generated
-            n = len(seq.prompt) + len(gen)
+            n = len(seq.prompt) + len(seq.generated)
             if n > len(seq.block_table) * bs:
                 while not bm.can_allocate(seq, n):
                     victim = run.pop()
@@ -246,18 +273,18 @@ class EngineScheduler:
                 if seq.status is not RUNNING:
                     break                  # it was the newest: nothing after it
                 bm.allocate(seq, n)
-            p = seq.params
-            chunks.append(ChunkInput(seq.id, [gen[-1]], n - 1, seq.block_table, True,
-                                     p.temperature, p.top_p, p.seed, len(seq.prompt)))
+            dseqs.append(seq)
             decodes += 1
             if n > max_ctx:
                 max_ctx = n
             i += 1
+        plan.decode_context = max_ctx
         plan.decode_tokens = decodes
         budget -= decodes
 
-        # 2. Continue prefills already under way (their blocks are reserved).
-        for seq in run:
+        # 2. Continue prefills already under way (their blocks are reserved). The decode
+        # scan counted them, unless it stopped early.
+        for seq in (run if prefilling or i < len(run) else ()):
             if budget <= 0:
                 break
             if not seq.is_prefilling:
@@ -311,30 +338,39 @@ class EngineScheduler:
         sequences aborted since ``schedule`` are ignored."""
         outs: list[Output] = []
         finished = False
+        reason_of = self._finish_reason
+        for seq in plan.decode_seqs:          # the hot path: one token each
+            if seq.status is not RUNNING:      # aborted since schedule
+                continue
+            gen = seq.generated
+            seq.num_computed_tokens = len(seq.prompt) + len(gen)
+            tok = sampled.get(seq.id)
+            if tok is None:
+                raise KeyError(f"the model runner returned no token for {seq.id!r}")
+            gen.append(tok)
+            reason = reason_of(seq, tok)
+            pos = seq.streamed
+            outs.append(Output(seq, gen[pos:], pos, reason))
+            seq.streamed = len(gen)
+            if reason is not None:
+                self._finish(seq, reason, now)
+                finished = True
         seqs = self._seqs
-        for ch in plan.chunks:
-            sid = ch.seq_id
-            seq = seqs.get(sid)
+        for ch in plan.prefill_chunks:
+            seq = seqs.get(ch.seq_id)
             if seq is None or seq.status is not RUNNING:
                 continue
             seq.num_computed_tokens = ch.start_pos + len(ch.token_ids)
             if not ch.sample:
                 continue
-            tok = sampled.get(sid)
+            tok = sampled.get(seq.id)
             if tok is None:
-                raise KeyError(f"the model runner returned no token for {sid!r}")
+                raise KeyError(f"the model runner returned no token for {seq.id!r}")
             gen = seq.generated
             gen.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            params = seq.params
-            reason: str | None = None
-            if tok == EOS and not params.ignore_eos:
-                reason = "stop"
-            elif seq.stop_checker is not None and seq.stop_checker.feed(tok):
-                reason = "stop"
-            elif len(gen) >= params.max_tokens:    # add() keeps prompt+max_tokens <= max_model_len
-                reason = "length"
+            reason = reason_of(seq, tok)
             pos = seq.streamed
             outs.append(Output(seq, gen[pos:], pos, reason))
             seq.streamed = len(gen)
@@ -344,6 +380,18 @@ class EngineScheduler:
         if finished:
             self.running = [s for s in self.running if s.status is RUNNING]
         return outs
+
+    @staticmethod
+    def _finish_reason(seq: Sequence, tok: int) -> str | None:
+        """Why ``seq`` ends with the token it just got (None: it goes on)."""
+        params = seq.params
+        if tok == EOS and not params.ignore_eos:
+            return "stop"
+        if seq.stop_checker is not None and seq.stop_checker.feed(tok):
+            return "stop"
+        if len(seq.generated) >= params.max_tokens:   # add() keeps prompt+max_tokens <= max_model_len
+            return "length"
+        return None
 
     # -- internals ---------------------------------------------------------------------
 

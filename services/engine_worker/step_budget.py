@@ -178,6 +178,19 @@ def trim_plan(plan: Any, limit: int) -> Any:
     excess = plan.num_tokens - max(int(limit), plan.decode_tokens)
     if excess <= 0:
         return plan
+    keep = []
+    for ch in reversed(plan.prefill_chunks):
+        if excess <= 0:
+            keep.append(ch)
+            continue
+        cut = min(excess, ch.num_tokens)
+        excess -= cut
+        plan.prefill_tokens -= cut
+        if cut < ch.num_tokens:
+            keep.append(replace(ch, token_ids=ch.token_ids[:ch.num_tokens - cut], sample=False))
+    keep.reverse()
+    plan.set_prefill(keep)
+    return plan
     chunks = plan.chunks
     nd = plan.decode_tokens            # the scheduler appends the decode chunks first
     keep = []

@@ -29,10 +29,10 @@ from shared.stats import RankStats
 from services.engine_worker.block_manager import BlockManager
 from services.engine_worker.membership import ClaimFailed, GroupMembership
 from services.engine_worker.recv_marks import RecvMarks
-from services.engine_worker.batch_gate import BatchGate, batch_number
-from services.engine_worker.lockstep import (F_ALIGN, F_DECODE, F_GATE, F_GATE_HELD, F_MUST, F_RELEASE, F_TOKENS,
-                                             Action, GroupBroken, StepView)
-from services.engine_worker.step_budget import BudgetConfig, allowed, allowed_all, must_tokens, shared_budget, trim_plan
+from services.engine_worker.batch_gate import BatchGate
+from services.engine_worker.lockstep import Action, GroupBroken, StepView
+from services.engine_worker.rank_step import RankStep
+from services.engine_worker.step_budget import BudgetConfig
 from services.engine_worker.scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
 from shared import trace
@@ -67,9 +67,10 @@ class EngineWorker(GroupMembership):
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len)
         self.gate = BatchGate(rank=max(0, settings.rank), timeout_s=settings.gate_timeout_ms / 1000)
-        self.budget = BudgetConfig(max_tokens=settings.max_num_batched_tokens,
-                                   max_delay_ms=settings.align_max_delay_ms)
-        self.since_ms: dict[str, float] = {}      # when each sequence reached this rank (alignment deadlines)
+        budget = (BudgetConfig(max_tokens=settings.max_num_batched_tokens, max_delay_ms=settings.align_max_delay_ms)
+                  if settings.align_tokens else None)
+        # the step decisions (schedule, row, alignment, batch gate): the simulator runs the same object
+        self.rs = RankStep(max(0, settings.rank), self.core, self.gate, budget)
         self.prompts: dict[str, list[int]] = {}
         self.ignore_eos: dict[str, bool] = {}
         self._acks: list[bytes] = []              # inbox entries to ack in the next round trip
@@ -104,7 +105,7 @@ class EngineWorker(GroupMembership):
                 self.log.error("rank_claim_failed", error=str(exc))
                 return 3
         self.log = self.log.bind(rank=self.rank)
-        self.gate.rank = self.rank
+        self.gate.rank = self.rs.rank = self.rank
         # A new consumer name per incarnation: what a dead predecessor left pending stays
         # under its own name, where the scheduler finds it and resumes it elsewhere.
         self.consumer = f"rank{self.rank}-{self.token[:8]}"
@@ -146,11 +147,7 @@ class EngineWorker(GroupMembership):
     async def _step_loop(self) -> None:
         while True:
             self._ingest()
-            plan = self.core.schedule(self.gate.may_prefill if self.gate.counts else None)
-            complete, oldest_held, release = self.gate.row()
-            row = [int(self.core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
-                   release, int(self.stopping.is_set()), plan.decode_tokens, self._must_tokens(plan),
-                   int(self.s.align_tokens)]
+            plan, row = self.rs.plan(time.monotonic(), self.stopping.is_set())
             if self._reform_requested:
                 self._reform_requested = False
                 await self._reform("a replacement rank joined")
@@ -167,14 +164,7 @@ class EngineWorker(GroupMembership):
             self.exchange_s += time.perf_counter() - tx
             if trace.ENABLED:
                 trace.mark(f"step_synced:{self.rank}")
-            if all(view.column(F_ALIGN)):
-                self._align(plan, view)
-            released = 0
-            if self.gate.counts or any(view.column(F_GATE_HELD)):
-                released = self.gate.after_exchange(view.column(F_GATE), view.column(F_GATE_HELD), view.rows[0][F_RELEASE],
-                                         time.monotonic())
-                self.gate.forget_done({batch_number(q.batch) for q in self.core.waiting if q.held})
-            action = view.action(self.rank)
+            action, released = self.rs.decide(plan, view, time.monotonic())
             if action is Action.STOP:
                 self.log.info("engine_stopping", wave=self.wave, step=self.step)
                 return
@@ -200,24 +190,6 @@ class EngineWorker(GroupMembership):
             dur_ms = (time.perf_counter() - t0) * 1000
             await self._publish(plan, outputs, action, dur_ms)
             self.step += 1
-
-    def _must_tokens(self, plan: Any) -> int:
-        """Tokens this rank's prefill deadlines need this step (token alignment)."""
-        if not self.s.align_tokens:
-            return 0
-        now_ms = time.monotonic() * 1000
-        pending = [(self.since_ms.get(q.id, now_ms), q.pending_prefill()) for q in self.core.running if q.is_prefilling]
-        pending += [(self.since_ms.get(q.id, now_ms), q.pending_prefill()) for q in self.core.waiting if not q.held]
-        return must_tokens(plan.decode_tokens, pending, now_ms, 0.0, self.budget)
-
-    def _align(self, plan: Any, view: StepView) -> None:
-        """Per-step token alignment: every rank computes the same budget from the same rows
-        and caps its prefill at it, so a big prefill spreads over steps in which the other
-        ranks compute about as much (services/engine_worker/step_budget.py)."""
-        decode, tokens = view.column(F_DECODE), view.column(F_TOKENS)
-        budget = shared_budget(decode, tokens, view.column(F_MUST), self.budget)
-        trim_plan(plan, allowed(plan.decode_tokens, plan.num_tokens, budget))
-        view.set_column(F_TOKENS, allowed_all(decode, tokens, budget))
 
     async def _forward(self, plan: Any, action: Action, view: StepView) -> dict[str, int]:
         t0 = time.perf_counter()
@@ -251,14 +223,13 @@ class EngineWorker(GroupMembership):
                 self.entry_of[req.id] = eid
                 self.prompts[req.id] = req.prompt
                 self.ignore_eos[req.id] = req.params.ignore_eos
-                self.since_ms[req.id] = time.monotonic() * 1000
                 self.log.debug("request_admitted", request_id=req.id, wave=self.wave, step=self.step,
                                prompt_tokens=len(req.prompt), resumed_at=len(req.generated))
                 rejected = self.core.add(seq, time.time())
                 if rejected is not None:      # can never run here, or nothing left to generate
                     self._early.append(rejected)
                 else:
-                    self.gate.on_arrival(seq)
+                    self.rs.arrived(seq, time.monotonic())
             elif kind == "abort":
                 ab = Abort.from_dict(doc)
                 seq = self.core.abort(ab.id)
@@ -398,7 +369,7 @@ class EngineWorker(GroupMembership):
 
     def _forget(self, seq_id: str) -> bytes | None:
         self.prompts.pop(seq_id, None)
-        self.since_ms.pop(seq_id, None)
+        self.rs.forget(seq_id)
         self.ignore_eos.pop(seq_id, None)
         free = getattr(self.backend, "free_seq", None)
         if free is not None:

@@ -35,11 +35,12 @@ from shared.cost_model import CostModel
 from shared.policy.aggregator import StepAggregator
 from shared.policy.base import RequestInfo
 from services.simulator.baselines import PolicySpec, policy_specs
-from services.simulator.engine_model import AdpGate, BatchGate, EngineConfig, EngineGroup
+from services.engine_worker.lockstep import Action
+from services.simulator.engine_group import EngineConfig, EngineGroup, StepOut
 from services.simulator.workload import Trace
 from services.engine_worker.step_budget import BudgetConfig
 
-ARRIVE, SCHED, DELIVER, STATS, SNAP, POLL, AGG_TICK = range(7)
+ARRIVE, SCHED, DELIVER, STATS, SNAP, POLL, AGG_TICK, FINISHED = range(8)
 INF = math.inf
 
 
@@ -57,6 +58,8 @@ class SimConfig:
     jitter_ms: float = 0.5           # uniform extra latency per hop (seeded)
     grace_ms: float = 50.0           # StepAggregator grace
     lockstep_gate_timeout_ms: float = 100.0   # EngineSettings.gate_timeout_ms default
+    dispatch: str | None = None      # None: each system's own deployment; "scheduler" | "client": all alike
+    view_interval_ms: float = 100.0  # client dispatch: how often the api-servers' view is published
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,14 +107,37 @@ class _Recorder:
         return (np.asarray(self.t), np.asarray(self.dur), sched, np.asarray(self.dec, dtype=np.int64))
 
 
-def _make_gate(spec: PolicySpec):
-    if not spec.gate:
+HOLD_POLL_S = 0.002   # the worker's HOLD_POLL_MS: ranks whose work is all gated meet again this often
+
+
+def _deployment(spec: PolicySpec, cfg: SimConfig) -> tuple[bool, float, bool]:
+    """(client_mode, snapshot interval s, view delay) of ``spec`` under ``cfg.dispatch``.
+
+    None: the system's own default deployment (``spec``). ``"scheduler"``: one dispatcher
+    with a step-consistent view every step, for every system. ``"client"``: every
+    api-server decides from a view published every ``cfg.view_interval_ms``, for every
+    system. A dispatcher inside the engine (late binding, TensorRT-LLM) stays there: with
+    N api-servers they all feed its one queue."""
+    if getattr(spec, "late_binding", False) or cfg.dispatch is None:
+        return spec.client_mode, spec.snapshot_interval_s, spec.view_delay
+    if cfg.dispatch == "scheduler":
+        return False, 0.0, True
+    if cfg.dispatch == "client":
+        return True, cfg.view_interval_ms / 1000.0, True
+    raise ValueError(f"dispatch is 'scheduler' or 'client', not {cfg.dispatch!r}")
+
+
+def _budget(spec: PolicySpec, cfg: SimConfig) -> BudgetConfig | None:
+    if spec.step_budget is None:
         return None
-    if spec.gate[0] == "batch":
-        return BatchGate(spec.gate[1])
-    if spec.gate[0] == "adp":
-        return AdpGate(spec.gate[1], spec.gate[2])
-    raise ValueError(f"unknown gate {spec.gate!r}")
+    return BudgetConfig(**{"max_tokens": cfg.engine.max_num_batched_tokens, **spec.step_budget})
+
+
+def _gate_timeout_s(spec: PolicySpec, cfg: SimConfig) -> float:
+    g = getattr(spec, "gate", ())
+    if g and g[0] == "batch":
+        return float(g[1])
+    return cfg.lockstep_gate_timeout_ms / 1000.0
 
 
 def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
@@ -121,30 +147,33 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
     R, N = cfg.ranks, cfg.api_servers
     n = len(trace)
     ranks = list(range(R))
-    budget = None
-    if spec.step_budget is not None:
-        budget = BudgetConfig(**{"max_tokens": cfg.engine.max_num_batched_tokens, **spec.step_budget})
-    eng = EngineGroup(R, cfg.engine, cfg.cost, trace.prompt, trace.output, gate=_make_gate(spec),
-                      budget=budget)
+    client_mode, snap_interval, view_delay = _deployment(spec, cfg)
+    late = bool(getattr(spec, "late_binding", False))
+    gate_factory = getattr(spec, "group_gate", None)
+    caps = trace.caps(cfg.engine.max_model_len)
+    eng = EngineGroup(R, cfg.engine, cfg.cost, trace.prompt, trace.output, caps,
+                      gate_timeout_s=_gate_timeout_s(spec, cfg), budget=_budget(spec, cfg),
+                      group_gate=gate_factory() if gate_factory else None,
+                      report_outstanding=spec.lockstep, report_tokens=spec.with_tokens)
     rng = np.random.default_rng(cfg.seed + 7919)
     jit = cfg.jitter_ms / 1000.0
     jitters = rng.uniform(0.0, jit, size=4 * n + 16) if jit > 0 else np.zeros(4 * n + 16)
     jpos = 0
 
-    n_disp = N if spec.client_mode else 1
-    pols = [spec.factory(dispatcher_id=(f"api-{a}" if spec.client_mode else "scheduler"),
-                         client_index=a, num_api_servers=N, client_mode=spec.client_mode,
+    n_disp = N if client_mode and not late else 1
+    pols = [spec.factory(dispatcher_id=(f"api-{a}" if n_disp > 1 else "scheduler"),
+                         client_index=a, num_api_servers=N, client_mode=n_disp > 1,
                          ranks=ranks, block_size=cfg.engine.block_size) for a in range(n_disp)]
     batching = hasattr(pols[0], "submit")
-    agg = StepAggregator(ranks, grace_s=cfg.grace_ms / 1000.0, min_interval_s=spec.snapshot_interval_s)
+    agg = StepAggregator(ranks, grace_s=cfg.grace_ms / 1000.0, min_interval_s=snap_interval)
     filt = spec.publish_filter() if spec.publish_filter else None
-    stats_lag = cfg.stats_ms / 1000.0 if spec.view_delay else 0.0
-    pub_lag = cfg.publish_ms / 1000.0 if spec.view_delay else 0.0
+    stats_lag = cfg.stats_ms / 1000.0 if view_delay else 0.0
+    pub_lag = cfg.publish_ms / 1000.0 if view_delay else 0.0
 
     t_arr = trace.t.tolist()
     api = trace.api.tolist()
     prompt = trace.prompt.tolist()
-    output = trace.output.tolist()
+    cap = caps.tolist()
     reqs: list[RequestInfo | None] = [None] * n
     heap: list[tuple] = []
     ctr = 0
@@ -188,8 +217,8 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
 
     def request(i: int) -> RequestInfo:
         q = reqs[i]
-        if q is None:
-            q = reqs[i] = RequestInfo(str(i), prompt[i], output[i], t_arr[i])
+        if q is None:   # what a real deployment knows: prompt length and the client's cap
+            q = reqs[i] = RequestInfo(str(i), prompt[i], cap[i], t_arr[i])
         return q
 
     def dispatch(k: int, i: int, t: float, lat: float) -> None:
@@ -203,14 +232,14 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
 
     def handle(t: float, kind: int, a: Any, b: Any) -> None:
         if kind == ARRIVE:
-            if spec.client_mode:
+            if n_disp > 1:
                 dispatch(api[a], a, t, lat_a2r)
             else:
                 push(t + lat_a2s, SCHED, a)
         elif kind == SCHED:
             dispatch(0, a, t, lat_s2r)
         elif kind == DELIVER:
-            eng.deliver(a, int(a.request_id), t)
+            eng.deliver(a, int(a.request_id))
         elif kind == STATS:
             snap = None
             for st in a:
@@ -228,13 +257,15 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
             if poll_armed[a] == t:
                 poll_armed[a] = None
                 for asg in pols[a].poll(t):
-                    send(asg, t, lat_s2r if not spec.client_mode else lat_a2r)
+                    send(asg, t, lat_a2r if n_disp > 1 else lat_s2r)
                 arm_poll(a)
         elif kind == AGG_TICK:
             if agg_armed[0] == t:
                 agg_armed[0] = None
                 publish(agg.tick(t), t)
                 arm_agg()
+        elif kind == FINISHED:      # the dispatcher saw the request's last output (vLLM's in-flight count)
+            pols[a].note_finished(str(b), t)
 
     ai = 0
 
@@ -265,18 +296,22 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
     t = t_arr[0] if n else 0.0
     last_done = 0
     filt_on = filt is not None
+    binder = pols[0] if late else None
+    track_finish = hasattr(pols[0], "note_finished")
     while eng.done < n:
         process_until(t)
+        if binder is not None:
+            for asg in binder.bind(t, eng.loads()):
+                eng.deliver(asg, int(asg.request_id))
         out = eng.step(t)
-        if out is None:
-            if not paused:
+        if out is Action.PAUSE or out is Action.HOLD:
+            if out is Action.PAUSE and not paused:
                 paused = True
                 wave += 1
                 step = 0
             tn = next_event()
-            gd = eng.next_deadline()
-            if gd is not None and gd > t:
-                tn = min(tn, gd)
+            if out is Action.HOLD:
+                tn = min(tn, t + HOLD_POLL_S)
             if tn == INF:
                 raise RuntimeError(f"{spec.name}: stuck at t={t:.3f}s with {n - eng.done} requests "
                                    f"unfinished (delivered {eng.delivered})")
@@ -286,7 +321,10 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
         step += 1
         t_end = t + out.dur_s
         rec.add(t, out.dur_s, out.scheduled, int(out.decode.sum()))
-        stats = eng.rank_stats(wave, step, t_end, out, with_tokens=spec.with_tokens)
+        if track_finish:
+            for i in out.finished:
+                push(t_end + stats_lag, FINISHED, api[i] if n_disp > 1 else 0, i)
+        stats = eng.rank_stats(wave, step, t_end, out)
         if filt_on:
             stats = filt(stats)
         push(t_end + stats_lag, STATS, stats)
@@ -298,13 +336,16 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
         progress(eng.done - last_done)
     st, dur, sched, dec = rec.arrays(R)
     counters: dict[str, Any] = {"steps": int(st.size), "waves": wave + (0 if paused else 1),
-                                "aggregator": agg.counters()}
-    g = eng.gate
-    if isinstance(g, BatchGate):
-        counters["gate_released_full"] = g.released_full
-        counters["gate_released_timeout"] = g.released_timeout
-    elif isinstance(g, AdpGate):
-        counters["gate_held_steps"] = g.held_steps
+                                "aggregator": agg.counters(), "preemptions": eng.preemptions,
+                                "rejected": eng.errors, "hold_rounds": eng.holds,
+                                "deployment": {"dispatchers": n_disp, "view_interval_ms": snap_interval * 1000.0,
+                                               "late_binding": late}}
+    g0 = eng.ranks[0].gate
+    if g0.released_full or g0.released_timeout:
+        counters["gate_released_full"] = g0.released_full
+        counters["gate_released_timeout"] = g0.released_timeout
+    if eng.group_gate is not None and hasattr(eng.group_gate, "counters"):
+        counters["group_gate"] = eng.group_gate.counters()
     p0 = pols[0]
     if hasattr(p0, "stats") and callable(p0.stats):
         try:
@@ -312,7 +353,7 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
                                   if isinstance(v, (int, float, str, dict)) or v is None}
         except Exception:  # a policy's status view must not break a run
             pass
-    return RunResult(spec.name, trace.t, trace.output, eng.first_t, eng.finish_t, eng.rank_of,
+    return RunResult(spec.name, trace.t, eng.generated, eng.first_t, eng.finish_t, eng.rank_of,
                      st, dur, sched, dec, time.perf_counter() - wall0, counters)
 
 
@@ -320,7 +361,8 @@ def run_ideal(trace: Trace, cfg: SimConfig) -> RunResult:
     """The same trace with perfectly balanced steps (see the module docstring)."""
     wall0 = time.perf_counter()
     R = cfg.ranks
-    eng = EngineGroup(1, cfg.engine.pooled(R), cfg.cost, trace.prompt, trace.output, cost_divisor=R)
+    eng = EngineGroup(1, cfg.engine.pooled(R), cfg.cost, trace.prompt, trace.output,
+                      trace.caps(cfg.engine.max_model_len), cost_divisor=R, report_outstanding=False)
     t_arr = trace.t.tolist()
     n = len(t_arr)
     rec = _Recorder(1)
@@ -328,10 +370,10 @@ def run_ideal(trace: Trace, cfg: SimConfig) -> RunResult:
     t = t_arr[0]
     while eng.done < n:
         while ai < n and t_arr[ai] <= t:
-            eng.ingest(0, ai, t_arr[ai])
+            eng.deliver(None, ai, 0)
             ai += 1
         out = eng.step(t)
-        if out is None:
+        if not isinstance(out, StepOut):
             if ai >= n:
                 raise RuntimeError("ideal run stuck")
             t = t_arr[ai]
@@ -339,8 +381,9 @@ def run_ideal(trace: Trace, cfg: SimConfig) -> RunResult:
         rec.add(t, out.dur_s, out.scheduled, int(out.decode.sum()))
         t += out.dur_s
     st, dur, sched, dec = rec.arrays(1)
-    return RunResult("ideal", trace.t, trace.output, eng.first_t, eng.finish_t, eng.rank_of,
-                     st, dur, sched, dec, time.perf_counter() - wall0, {"steps": int(st.size)})
+    return RunResult("ideal", trace.t, eng.generated, eng.first_t, eng.finish_t, eng.rank_of,
+                     st, dur, sched, dec, time.perf_counter() - wall0,
+                     {"steps": int(st.size), "preemptions": eng.preemptions})
 
 
 def resolve_policies(names: str | list[str], cfg: SimConfig) -> list[PolicySpec]:

@@ -12,8 +12,20 @@ All generators are deterministic functions of ``seed``.
   views and idle forwards show: a burst lands faster than snapshots refresh.
 * ``heavy-tail``: Poisson arrivals, Pareto-tailed (alpha 1.3) prompt and output lengths:
   most requests are short, a few are long enough to dominate a rank.
+* ``spiky``: the regime reviewers tried near capacity: a Poisson floor (half the requests)
+  plus bursts of 100-400 requests landing within 20-40 ms; prompts Pareto-tailed up to
+  16k tokens (median ~512), outputs log-normal (median 128).
+* ``ramp``: a diurnal rise: the rate climbs from 0.2x to 1.8x the mean and back (a sine
+  over the trace), prompts log-uniform 64-8,192 tokens, outputs log-normal (median 128).
+* ``offline``: every request at t=0, lengths as ``poisson``.
+* ``blog``: the TensorRT-LLM ADP Balance blog's offline set, every request at t=0: input
+  mean ~803, output mean ~3,653 with a long tail (log-normal, sigma 0.6 / 0.9).
 
-Every request is clipped so that ``prompt + output <= max_model_len``.
+What a policy may know: every request carries the client's ``max_tokens`` (the cap),
+never its true output length. Generated traces use ``max_model_len - prompt`` as the cap
+(what OpenAI clients send when they set none: the server's limit); a JSONL trace may give
+``max_tokens`` per line. Every request is clipped so that ``prompt + output <= max_model_len``
+and ``output <= max_tokens``.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-WORKLOADS = ("poisson", "bursty", "heavy-tail")
+WORKLOADS = ("poisson", "bursty", "heavy-tail", "spiky", "ramp", "offline", "blog")
 
 PROMPT_MEDIAN, PROMPT_SIGMA = 384.0, 0.8
 OUTPUT_MEDIAN, OUTPUT_SIGMA = 128.0, 0.7
@@ -38,9 +50,16 @@ PARETO_ALPHA = 1.3
 class Trace:
     t: np.ndarray              # arrival (seconds, float64, sorted)
     prompt: np.ndarray         # prompt tokens (int64, >= 1)
-    output: np.ndarray         # output tokens (int64, >= 1)
+    output: np.ndarray         # true output tokens (int64, >= 1): unknown to every policy
     api: np.ndarray            # api-server index (int64)
     name: str = "trace"
+    max_tokens: np.ndarray | None = None   # the client's cap (int64); None: max_model_len - prompt
+
+    def caps(self, max_model_len: int) -> np.ndarray:
+        """The client's max_tokens of every request."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return np.maximum(self.output, max_model_len - self.prompt)
 
     def __len__(self) -> int:
         return int(self.t.size)
@@ -96,9 +115,44 @@ def _bursty_times(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
     return out - out[0]
 
 
+def _spiky_times(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
+    """Half the requests as a Poisson floor, half in bursts of 100-400 within 20-40 ms."""
+    n_floor = n // 2
+    span = n / rate
+    floor = rng.uniform(0.0, span, n_floor)
+    times = [floor]
+    left = n - n_floor
+    while left > 0:
+        size = min(left, int(rng.integers(100, 401)))
+        start = rng.uniform(0.0, span)
+        times.append(start + rng.uniform(0.0, rng.uniform(0.02, 0.04), size))
+        left -= size
+    t = np.sort(np.concatenate(times))
+    return t - t[0]
+
+
+def _ramp_times(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
+    """Rate(t) = rate x (0.2 + 1.6 sin^2(pi t / D)) over D = n / rate: mean ``rate``,
+    peak 1.8x (thinning a Poisson process at the peak rate)."""
+    span = n / rate
+    peak = 1.8 * rate
+    out: list[float] = []
+    t = 0.0
+    while len(out) < n:
+        t += rng.exponential(1.0 / peak)
+        if t > span:
+            t = 0.0
+            continue
+        lam = rate * (0.2 + 1.6 * np.sin(np.pi * t / span) ** 2)
+        if rng.uniform() * peak <= lam:
+            out.append(t)
+    a = np.sort(np.asarray(out[:n]))
+    return a - a[0]
+
+
 def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
              max_model_len: int = 4096) -> Trace:
-    """A trace of ``n`` requests at a mean ``rate`` (requests/s)."""
+    """A trace of ``n`` requests at a mean ``rate`` (requests/s; ignored by the offline ones)."""
     if kind not in WORKLOADS:
         raise ValueError(f"unknown workload {kind!r}; choose one of: {', '.join(WORKLOADS)}")
     if n < 1:
@@ -108,12 +162,28 @@ def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
     rng = np.random.default_rng(seed)
     if kind == "bursty":
         t = _bursty_times(rng, n, rate)
+    elif kind == "spiky":
+        t = _spiky_times(rng, n, rate)
+    elif kind == "ramp":
+        t = _ramp_times(rng, n, rate)
+    elif kind in ("offline", "blog"):
+        t = np.zeros(n)
     else:
         t = np.cumsum(rng.exponential(1.0 / rate, n))
         t -= t[0]
     if kind == "heavy-tail":
         prompt = _pareto(rng, n, PROMPT_MEDIAN / 2 ** (1 / PARETO_ALPHA))
         output = _pareto(rng, n, OUTPUT_MEDIAN / 2 ** (1 / PARETO_ALPHA))
+    elif kind == "spiky":
+        prompt = np.minimum(_pareto(rng, n, 512 / 2 ** (1 / PARETO_ALPHA)), 16384)
+        output = _lengths(rng, n, OUTPUT_MEDIAN, OUTPUT_SIGMA)
+    elif kind == "ramp":
+        prompt = np.rint(np.exp(rng.uniform(np.log(64), np.log(8192), n))).astype(np.int64)
+        output = _lengths(rng, n, OUTPUT_MEDIAN, OUTPUT_SIGMA)
+    elif kind == "blog":
+        # log-normal with the blog's means: mean = median * exp(sigma^2 / 2)
+        prompt = _lengths(rng, n, 803 / np.exp(0.6 ** 2 / 2), 0.6)
+        output = _lengths(rng, n, 3653 / np.exp(0.9 ** 2 / 2), 0.9)
     else:
         prompt = _lengths(rng, n, PROMPT_MEDIAN, PROMPT_SIGMA)
         output = _lengths(rng, n, OUTPUT_MEDIAN, OUTPUT_SIGMA)
@@ -124,9 +194,10 @@ def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
 
 def load_jsonl(path: str | Path, api_servers: int = 1, seed: int = 0,
                max_model_len: int = 4096) -> Trace:
-    """Read ``{"t", "prompt_tokens", "output_tokens"[, "api_server"]}`` per line. Requests
-    without ``api_server`` are spread over the api-servers at random (seeded)."""
-    ts, ps, os_, apis = [], [], [], []
+    """Read ``{"t", "prompt_tokens", "output_tokens"[, "max_tokens", "api_server"]}`` per
+    line. Requests without ``api_server`` are spread over the api-servers at random
+    (seeded); without ``max_tokens`` the cap is ``max_model_len - prompt``."""
+    ts, ps, os_, apis, caps = [], [], [], [], []
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
@@ -137,6 +208,7 @@ def load_jsonl(path: str | Path, api_servers: int = 1, seed: int = 0,
             ps.append(int(d["prompt_tokens"]))
             os_.append(int(d["output_tokens"]))
             apis.append(int(d["api_server"]) if "api_server" in d else -1)
+            caps.append(int(d["max_tokens"]) if d.get("max_tokens") is not None else -1)
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{lineno}: bad trace line ({exc})") from None
         if ps[-1] < 1 or os_[-1] < 1 or ts[-1] < 0:
@@ -152,8 +224,11 @@ def load_jsonl(path: str | Path, api_servers: int = 1, seed: int = 0,
     if (api >= api_servers).any():
         raise ValueError(f"{path}: api_server index >= --api-servers ({api_servers})")
     prompt, output = _clip(np.asarray(ps, dtype=np.int64), np.asarray(os_, dtype=np.int64), max_model_len)
+    cap = np.asarray(caps, dtype=np.int64)
+    cap = np.where(cap > 0, np.minimum(cap, max_model_len - prompt), max_model_len - prompt)
+    output = np.minimum(output, np.maximum(1, cap))
     return Trace(t=t[order], prompt=prompt[order], output=output[order], api=api[order],
-                 name=Path(path).name)
+                 name=Path(path).name, max_tokens=np.maximum(1, cap)[order])
 
 
 def dump_jsonl(trace: Trace, path: str | Path) -> None:
@@ -161,4 +236,5 @@ def dump_jsonl(trace: Trace, path: str | Path) -> None:
         for i in range(len(trace)):
             f.write(json.dumps({"t": float(trace.t[i]), "prompt_tokens": int(trace.prompt[i]),
                                 "output_tokens": int(trace.output[i]),
+                                **({"max_tokens": int(trace.max_tokens[i])} if trace.max_tokens is not None else {}),
                                 "api_server": int(trace.api[i])}) + "\n")

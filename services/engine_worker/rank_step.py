@@ -1,0 +1,102 @@
+"""One DP rank's per-step decisions around the step collective. Pure: no I/O, time passed in.
+
+The live worker (worker.py) and the simulator (services/simulator/engine_group.py) drive
+this same object, so what the simulator measures is what the ranks run:
+
+    plan, row = rs.plan(now_s, stopping)      # local schedule + this rank's row
+    view = exchange(rows)                      # the collective (torch all-gather / a list)
+    action, released = rs.decide(plan, view, now_s)   # alignment, batch gate, RUN/IDLE/...
+    ... forward, core.postprocess(plan, sampled, now) ...
+
+``now_s`` is a monotonic clock in seconds (the worker's ``time.monotonic()``, the
+simulator's virtual clock); deadlines of token alignment are judged on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.engine_worker.batch_gate import BatchGate, batch_number
+from services.engine_worker.lockstep import (F_ALIGN, F_DECODE, F_GATE, F_GATE_HELD, F_MUST, F_RELEASE, F_TOKENS,
+                                             Action, StepView)
+from services.engine_worker.scheduler import EngineScheduler, StepPlan
+from services.engine_worker.sequence import Sequence
+from services.engine_worker.step_budget import BudgetConfig, allowed, allowed_all, must_tokens, shared_budget, trim_plan
+
+ROW_FIELDS = 10   # F_HAS_WORK .. F_ALIGN (services/engine_worker/lockstep.py)
+
+
+class RankStep:
+    """The scheduler, the staggered-batch gate and token alignment of one rank."""
+
+    def __init__(self, rank: int, core: EngineScheduler, gate: BatchGate,
+                 budget: BudgetConfig | None = None) -> None:
+        self.rank = rank
+        self.core = core
+        self.gate = gate
+        self.budget = budget                      # None: token alignment off on this rank
+        self.since_s: dict[str, float] = {}       # when each sequence reached this rank
+
+    def arrived(self, seq: Sequence, now_s: float) -> None:
+        """``seq`` was queued on this rank (after ``core.add`` accepted it)."""
+        self.since_s[seq.id] = now_s
+        self.gate.on_arrival(seq)
+
+    def forget(self, seq_id: str) -> None:
+        self.since_s.pop(seq_id, None)
+
+    def plan(self, now_s: float, stopping: bool = False, admit: bool = True) -> tuple[StepPlan, list[int]]:
+        """This step's unconstrained local plan and this rank's row of the collective.
+        ``admit=False``: no new prefill starts this step (a group-wide prefill gate said
+        so); decodes and prefills under way still run."""
+        core, gate = self.core, self.gate
+        if not admit:
+            plan = core.schedule(_never)
+        else:
+            plan = core.schedule(gate.may_prefill if gate.counts else None)
+        complete, oldest_held, release = gate.row()
+        must = self.must_tokens(plan, now_s) if self.budget is not None else 0
+        row = [int(core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
+               release, int(stopping), plan.decode_tokens, must, int(self.budget is not None)]
+        return plan, row
+
+    def must_tokens(self, plan: StepPlan, now_s: float) -> int:
+        """Tokens this rank's prefill deadlines need this step (token alignment)."""
+        since = self.since_s
+        now_ms = now_s * 1000.0
+        pending = [(since.get(q.id, now_s) * 1000.0, q.pending_prefill())
+                   for q in self.core.running if q.is_prefilling]
+        if len(pending) < 64:
+            for q in self.core.waiting:
+                if not q.held:
+                    pending.append((since.get(q.id, now_s) * 1000.0, q.pending_prefill()))
+                    if len(pending) >= 64:
+                        break
+        return must_tokens(plan.decode_tokens, pending, now_ms, 0.0, self.budget)
+
+    def decide(self, plan: StepPlan, view: StepView, now_s: float) -> tuple[Action, int]:
+        """Apply the group's rows: token alignment (trims ``plan``), the batch gate's
+        shared verdict; returns this rank's action and how many batches were released."""
+        if self.budget is not None and all(view.column(F_ALIGN)):
+            T = view.memo.get("budget")
+            if T is None:   # the same on every rank: computed once per view
+                decode, tokens = view.column(F_DECODE), view.column(F_TOKENS)
+                T = view.memo["budget"] = shared_budget(decode, tokens, view.column(F_MUST), self.budget)
+                view.set_column(F_TOKENS, allowed_all(decode, tokens, T))
+            trim_plan(plan, allowed(plan.decode_tokens, plan.num_tokens, T))
+        released = 0
+        gate = self.gate
+        if gate.counts or any(view.column(F_GATE_HELD)):
+            released = gate.after_exchange(view.column(F_GATE), view.column(F_GATE_HELD),
+                                           view.rows[0][F_RELEASE], now_s)
+            gate.forget_done({batch_number(q.batch) for q in self.core.waiting if q.held})
+        return view.action(self.rank), released
+
+
+def _never(seq: Sequence) -> bool:
+    return False
+
+
+def group_view(rows: list[list[Any]]) -> StepView:
+    """The collective's result as every rank sees it (the simulator's exchange)."""
+    return StepView([list(r) for r in rows])
