@@ -7,10 +7,11 @@ loaded rank:
             + token_ms   * max_r tokens_r       # dense + expert FLOPs of the busiest rank
             + ctx_ms_per_1k * max_r ctx_r / 1000  # attention over the KV it reads
 
-The defaults are shaped after a DeepSeek-V3-class model on one H200 per rank (decode at
-~128 sequences per rank costs ~25-35 ms; a 4k-token prefill chunk ~250 ms). They are a
-model, not a measurement: load calibrated constants with ``--cost-model FILE`` (JSON
-with these field names).
+The defaults are illustrative, not a measurement (a DeepSeek-V3-class shape): a
+128-sequence decode at 1k context costs 8 + 7.7 + 6.4 = ~22 ms, a 2,048-token prefill
+chunk ~131 ms. Calibrated constants come with the simulator's profiles
+(services/simulator/profiles/, ``lockstep simulate --profile``) or ``--cost-model FILE``
+(JSON with these field names).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ DESIGN §6 for that run.
   is 1.
 
 The trace is the simulator's (services/simulator/workload.py): ``--workload
-poisson|bursty|heavy-tail`` generated from ``--requests/--rate/--seed``, or ``--trace FILE``
+poisson|bursty|onoff|heavy-tail|ramp|offline`` generated from ``--requests/--rate/--seed``, or ``--trace FILE``
 (JSONL: ``{"t", "prompt_tokens", "output_tokens"[, "api_server"]}``). A request is a prompt
 of ``prompt_tokens`` bytes (the tokenizer is byte-level, so exactly that many tokens) with
 ``max_tokens = output_tokens`` and ``ignore_eos``, so every request costs what the trace
@@ -364,7 +364,7 @@ def bench(
     redis_url: Optional[str] = typer.Option(None, "--redis-url",
                                             help="Redis URL for the step stats (default: LOCKSTEP_REDIS_URL, else the local cluster's)."),
     namespace: str = typer.Option("ls", "--namespace", "-n", envvar="LOCKSTEP_NAMESPACE", help="Key prefix of the cluster."),
-    workload: str = typer.Option("poisson", "--workload", help="poisson | bursty | heavy-tail."),
+    workload: str = typer.Option("poisson", "--workload", help="poisson | bursty | onoff | heavy-tail | ramp | offline (the simulator's workloads)."),
     requests: int = typer.Option(DEFAULT_REQUESTS, "--requests", min=1, help="Requests to generate."),
     rate: float = typer.Option(DEFAULT_RATE, "--rate", min=0.0, help="Mean requests/s of the generated workload."),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated workload."),
@@ -378,8 +378,9 @@ def bench(
         typer.secho(f"lockstep bench: {msg}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code)
 
-    if workload not in ("poisson", "bursty", "heavy-tail"):
-        fail(f"--workload must be poisson, bursty or heavy-tail, not {workload!r}")
+    from services.simulator.workload import WORKLOADS
+    if workload not in WORKLOADS:
+        fail(f"--workload must be one of {', '.join(WORKLOADS)}, not {workload!r}")
     if trace is None and rate <= 0:
         fail("--rate must be > 0")
     if url is None:

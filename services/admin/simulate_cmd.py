@@ -36,25 +36,38 @@ def parse_params(items: list[str]) -> dict[str, dict[str, Any]]:
 def simulate(
     ranks: int = typer.Option(8, "--ranks", min=1, help="DP ranks in the engine group."),
     api_servers: int = typer.Option(1, "--api-servers", min=1, help="api-server replicas."),
-    workload: str = typer.Option("bursty", "--workload", help="poisson | bursty | heavy-tail."),
+    workload: str = typer.Option("bursty", "--workload", help="poisson | bursty | onoff | heavy-tail | ramp | offline | blog."),
     requests: int = typer.Option(10000, "--requests", min=1, help="Requests to generate."),
     rate: Optional[float] = typer.Option(None, "--rate", help=f"Mean requests/s (default {DEFAULT_RATE_PER_RANK:g} x ranks)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the trace and the modeled latencies."),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="JSONL trace: {t, prompt_tokens, output_tokens[, api_server]} per line."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="JSONL trace: {t, prompt_tokens, output_tokens[, max_tokens, api_server]} per line."),
     policies: str = typer.Option("all", "--policies", help="Comma list of policies, or 'all'."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: per-rank load, balance, TTFT CDFs."),
     cost_model: Optional[Path] = typer.Option(None, "--cost-model", help="JSON cost-model constants (CostModel.load)."),
     param: list[str] = typer.Option([], "--param", help="Policy constructor argument, POLICY.KEY=VALUE (repeatable)."),
+    profile: str = typer.Option("default", "--profile", help="Engine limits + step-time model: a bundled name (default, deepseek-v3-gb200, small-cpu) or a JSON file."),
+    dispatch: Optional[str] = typer.Option(None, "--dispatch", help="Deployment for every system: 'scheduler' (one dispatcher, fresh view) or 'client' (every api-server decides). Default: each system's own."),
+    view_interval_ms: float = typer.Option(100.0, "--view-interval-ms", help="With --dispatch client: how often the api-servers' load view is published."),
+    sweep: Optional[str] = typer.Option(None, "--sweep", help="Comma list of load fractions of the group's capacity (e.g. 0.3,0.5,0.8,1.0,1.2,1.5): one run each; --rate is ignored."),
 ) -> None:
     """Simulate lockstep's policies and the peers' baselines on one trace."""
     from services.simulator.runner import run
 
+    if dispatch not in (None, "scheduler", "client"):
+        typer.echo("error: --dispatch is 'scheduler' or 'client'", err=True)
+        raise typer.Exit(2)
+    if sweep is not None:
+        _sweep(sweep, as_json, plot, ranks=ranks, api_servers=api_servers, workload=workload,
+               requests=requests, seed=seed, policies=policies, params=parse_params(param),
+               profile=profile, dispatch=dispatch, view_interval_ms=view_interval_ms)
+        return
     try:
         doc, results = run(ranks=ranks, api_servers=api_servers, workload=workload, requests=requests,
                            rate=rate if rate is not None else DEFAULT_RATE_PER_RANK * ranks, seed=seed,
                            trace=trace, policies=policies, cost_model=cost_model,
-                           params=parse_params(param), progress=sys.stderr.isatty())
+                           params=parse_params(param), progress=sys.stderr.isatty(),
+                           profile=profile, dispatch=dispatch, view_interval_ms=view_interval_ms)
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -73,6 +86,29 @@ def simulate(
     if "ideal" in doc:
         con.print(f"ideal (perfectly balanced steps): {doc['ideal']['throughput_tok_s']:,.0f} tok/s")
     con.print("simulated in " + ", ".join(f"{r.name} {r.wall_s:.1f}s" for r in results))
+    if plot is not None:
+        con.print(f"plot: {plot}")
+
+
+def _sweep(fractions: str, as_json: bool, plot: Optional[Path], **kw: Any) -> None:
+    from services.simulator.sweep import load_sweep, sweep_table
+    try:
+        fr = [float(x) for x in fractions.split(",") if x.strip()]
+        if not fr or any(f <= 0 for f in fr):
+            raise ValueError("--sweep needs positive load fractions, e.g. 0.5,1.0,1.5")
+        doc = load_sweep(fr, progress=sys.stderr.isatty(), **kw)
+    except (ValueError, OSError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if plot is not None:
+        from services.simulator.plot import plot_sweep
+        plot_sweep(doc, plot)
+    if as_json:
+        typer.echo(json.dumps(doc, sort_keys=False))
+        return
+    from rich.console import Console
+    con = Console(width=None if sys.stdout.isatty() else 160)
+    con.print(sweep_table(doc))
     if plot is not None:
         con.print(f"plot: {plot}")
 

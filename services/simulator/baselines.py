@@ -484,8 +484,22 @@ def policy_specs(lockstep_gate_timeout_s: float = 0.1) -> dict[str, PolicySpec]:
         PolicySpec("staggered_aligned", _lockstep("staggered"), lockstep=True,
                    gate=("batch", lockstep_gate_timeout_s), step_budget={},
                    source="lockstep StaggeredBatcher + engine gate + per-step token budget"),
+        _default_spec(),
     ]
     return {s.name: s for s in specs}
+
+
+def _default_spec() -> PolicySpec:
+    """What ``lockstep up`` runs with no flags: the scheduler's and the engines' settings
+    defaults (shared/settings.py), so this entry can never drift from the product."""
+    from shared.settings import EngineSettings, SchedulerSettings
+    pol = SchedulerSettings.__dataclass_fields__["policy"].default
+    eng = {k: f.default for k, f in EngineSettings.__dataclass_fields__.items()}
+    budget = {"max_delay_ms": eng["align_max_delay_ms"]} if eng["align_tokens"] else None
+    gate = ("batch", eng["gate_timeout_ms"] / 1000.0) if pol == "staggered" else ()
+    what = f"{pol} placement" + (" + per-step token alignment" if budget is not None else "")
+    return PolicySpec("default", _lockstep(pol), lockstep=True, gate=gate, step_budget=budget,
+                      source=f"what `lockstep up` runs with no flags: {what} (shared/settings.py defaults)")
 
 
 POLICY_NAMES: tuple[str, ...] = tuple(policy_specs())

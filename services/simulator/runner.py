@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.cost_model import CostModel
+from services.simulator import profile as profile_mod
 from services.simulator import report, workload
 from services.simulator.baselines import PolicySpec
 from services.simulator.sim import RunResult, SimConfig, resolve_policies, run_ideal, run_policy
@@ -39,11 +40,18 @@ def run(*, ranks: int, api_servers: int, workload: str = "bursty", requests: int
         rate: float = 24.0, seed: int = 0, trace: Path | str | None = None,
         policies: str | list[str] = "all", cost_model: Path | str | None = None,
         params: dict[str, dict[str, Any]] | None = None, progress: bool = False,
-        cfg: SimConfig | None = None) -> tuple[dict[str, Any], list[RunResult]]:
-    cost = CostModel.load(cost_model) if cost_model else CostModel()
+        cfg: SimConfig | None = None, profile: str | Path | None = None,
+        dispatch: str | None = None, view_interval_ms: float | None = None,
+        tr: Any = None) -> tuple[dict[str, Any], list[RunResult]]:
+    prof = profile_mod.load(profile)
+    cost = CostModel.load(cost_model) if cost_model else prof.cost
     cfg = cfg or SimConfig()
-    cfg = dataclasses.replace(cfg, ranks=ranks, api_servers=api_servers, cost=cost, seed=seed)
-    if trace is not None:
+    cfg = dataclasses.replace(cfg, ranks=ranks, api_servers=api_servers, cost=cost, seed=seed,
+                              engine=prof.engine, dispatch=dispatch,
+                              view_interval_ms=view_interval_ms if view_interval_ms is not None else cfg.view_interval_ms)
+    if tr is not None:
+        pass
+    elif trace is not None:
         tr = workload_mod.load_jsonl(trace, api_servers=api_servers, seed=seed,
                                      max_model_len=cfg.engine.max_model_len)
     else:
@@ -78,9 +86,13 @@ def run(*, ranks: int, api_servers: int, workload: str = "bursty", requests: int
               "requests": len(tr), "rate": rate if trace is None else None, "seed": seed,
               "trace": {**tr.describe(), "file": str(trace) if trace else None},
               "policies": [s.name for s in specs], "params": params,
+              "profile": {"name": prof.name, "source": prof.source},
+              "dispatch": dispatch or "each system's own",
               "sim": cfg.to_dict()}
     doc = report.document(config, results, ideal)
+    doc["default"] = DEFAULT_SIM_POLICY if DEFAULT_SIM_POLICY in doc["policies"] else None
     return doc, results
 
 
 workload_mod = workload
+DEFAULT_SIM_POLICY = "default"   # the policies entry that is what `lockstep up` runs

@@ -5,14 +5,14 @@ All generators are deterministic functions of ``seed``.
 
 * ``poisson``: exponential inter-arrival gaps at ``rate`` requests/s; prompt and output
   lengths log-normal (prompt median 384, output median 128).
-* ``bursty``: on/off (a two-state Markov-modulated Poisson process). The cycle is
+* ``onoff``: on/off (a two-state Markov-modulated Poisson process). The cycle is
   ``BURST_PERIOD_S`` long; the first ``BURST_ON_FRACTION`` of it arrives at
   ``BURST_FACTOR × rate``, the rest at the rate that keeps the mean at ``rate``. Phases
   start at a random offset. Lengths as ``poisson``. This is the traffic that makes stale
   views and idle forwards show: a burst lands faster than snapshots refresh.
 * ``heavy-tail``: Poisson arrivals, Pareto-tailed (alpha 1.3) prompt and output lengths:
   most requests are short, a few are long enough to dominate a rank.
-* ``spiky``: the regime reviewers tried near capacity: a Poisson floor (half the requests)
+* ``bursty``: the regime reviewers tried near capacity: a Poisson floor (half the requests)
   plus bursts of 100-400 requests landing within 20-40 ms; prompts Pareto-tailed up to
   16k tokens (median ~512), outputs log-normal (median 128).
 * ``ramp``: a diurnal rise: the rate climbs from 0.2x to 1.8x the mean and back (a sine
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-WORKLOADS = ("poisson", "bursty", "heavy-tail", "spiky", "ramp", "offline", "blog")
+WORKLOADS = ("poisson", "bursty", "onoff", "heavy-tail", "ramp", "offline", "blog")
 
 PROMPT_MEDIAN, PROMPT_SIGMA = 384.0, 0.8
 OUTPUT_MEDIAN, OUTPUT_SIGMA = 128.0, 0.7
@@ -92,7 +92,7 @@ def _clip(prompt: np.ndarray, output: np.ndarray, max_model_len: int) -> tuple[n
     return prompt, output
 
 
-def _bursty_times(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
+def _onoff_times(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
     on_rate = BURST_FACTOR * rate
     off_rate = rate * (1.0 - BURST_FACTOR * BURST_ON_FRACTION) / (1.0 - BURST_ON_FRACTION)
     off_rate = max(off_rate, rate * 0.05)
@@ -115,7 +115,7 @@ def _bursty_times(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
     return out - out[0]
 
 
-def _spiky_times(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
+def _bursty_times(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
     """Half the requests as a Poisson floor, half in bursts of 100-400 within 20-40 ms."""
     n_floor = n // 2
     span = n / rate
@@ -160,10 +160,10 @@ def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
     if rate <= 0:
         raise ValueError("rate must be > 0")
     rng = np.random.default_rng(seed)
-    if kind == "bursty":
+    if kind == "onoff":
+        t = _onoff_times(rng, n, rate)
+    elif kind == "bursty":
         t = _bursty_times(rng, n, rate)
-    elif kind == "spiky":
-        t = _spiky_times(rng, n, rate)
     elif kind == "ramp":
         t = _ramp_times(rng, n, rate)
     elif kind in ("offline", "blog"):
@@ -174,7 +174,7 @@ def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
     if kind == "heavy-tail":
         prompt = _pareto(rng, n, PROMPT_MEDIAN / 2 ** (1 / PARETO_ALPHA))
         output = _pareto(rng, n, OUTPUT_MEDIAN / 2 ** (1 / PARETO_ALPHA))
-    elif kind == "spiky":
+    elif kind == "bursty":
         prompt = np.minimum(_pareto(rng, n, 512 / 2 ** (1 / PARETO_ALPHA)), 16384)
         output = _lengths(rng, n, OUTPUT_MEDIAN, OUTPUT_SIGMA)
     elif kind == "ramp":

@@ -1,0 +1,60 @@
+"""Deployment profiles for the simulator: the engine limits of every rank and the device
+cost model of one lockstep step, with where the numbers come from.
+
+A profile is JSON: ``{"name", "source", "engine": {EngineConfig fields}, "cost":
+{CostModel fields}}`` (plus free-form ``"fit"`` notes). Bundled ones live in
+``services/simulator/profiles/NAME.json``; ``--profile`` takes a bundled name or a path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.cost_model import CostModel
+from services.simulator.engine_group import EngineConfig
+
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+DEFAULT_PROFILE = "default"
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    source: str
+    engine: EngineConfig
+    cost: CostModel
+    extra: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+        return {"name": self.name, "source": self.source, "engine": asdict(self.engine),
+                "cost": self.cost.to_dict(), **self.extra}
+
+
+def bundled() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load(name_or_path: str | Path | None = None) -> Profile:
+    """A bundled profile by name, or a JSON file."""
+    key = str(name_or_path) if name_or_path else DEFAULT_PROFILE
+    path = Path(key)
+    if not (key.endswith(".json") or path.is_file()):
+        path = PROFILE_DIR / f"{key}.json"
+        if not path.is_file():
+            raise ValueError(f"unknown profile {key!r}; bundled: {', '.join(bundled())}, or a JSON file")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read profile ({exc})") from None
+    eng, cost = doc.get("engine", {}), doc.get("cost", {})
+    for what, fields, got in (("engine", EngineConfig.__dataclass_fields__, eng),
+                              ("cost", CostModel.__dataclass_fields__, cost)):
+        unknown = set(got) - set(fields)
+        if unknown:
+            raise ValueError(f"{path}: unknown {what} fields {sorted(unknown)}; known: {sorted(fields)}")
+    extra = {k: v for k, v in doc.items() if k not in ("name", "source", "engine", "cost")}
+    return Profile(doc.get("name", path.stem), doc.get("source", ""), EngineConfig(**eng), CostModel(**cost), extra)
