@@ -137,6 +137,7 @@ class EngineSettings(Settings):
     cost_model: str = field(default="", metadata={"help": "sim: JSON file with calibrated cost-model constants."})
     heartbeat_ms: int = field(default=1000, metadata={"help": "Heartbeat period; the alive key lives 3x this."})
     collective_timeout_s: float = field(default=5.0, metadata={"help": "A collective that takes longer means a rank died (keep it above the longest step)."})
+    reform_timeout_s: float = field(default=60.0, metadata={"help": "A rank that cannot rejoin its engine group within this exits (code 4) to be replaced."})
     group_host: str = field(default="127.0.0.1", metadata={"help": "Address other ranks reach this one at (engine-group rendezvous)."})
     seed: int = field(default=0, metadata={"help": "Model weight seed (identical on every rank)."})
     align_tokens: bool = field(default=False, metadata={"help": "Per-step token alignment: every rank caps its prefill at one shared budget (docs/benchmarks.md); applied when every rank has it."})

@@ -29,7 +29,8 @@ F_STOP = 6           # rank is shutting down: the group must stop together
 F_DECODE = 7         # token alignment: decode tokens among F_TOKENS (never held back)
 F_MUST = 8           # token alignment: tokens this rank's prefill deadlines need this step
 F_ALIGN = 9          # token alignment enabled here (applied only when every rank has it)
-FIELDS = 10
+F_QUEUED = 10        # token alignment: requests left waiting after this step's plan (a backlog)
+FIELDS = 11
 
 
 class GroupBroken(RuntimeError):
@@ -41,12 +42,16 @@ def collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     message. The original exception's traceback holds c10d's frames, and they hold the
     process group: while it is referenced, destroying the group leaves its connections
     open, and a peer blocked on this rank (not wired to the dead one) waits out its whole
-    collective timeout instead of failing at once."""
+    collective timeout instead of failing at once.
+
+    Every failure maps to GroupBroken, not only c10d's RuntimeErrors: a group destroyed
+    under the call (a re-formation, a stop) raises ValueError, and the caller's answer is
+    the same in every case: leave the group and meet again (or exit)."""
     error = None
     try:
         return fn(*args, **kwargs)
-    except RuntimeError as exc:
-        error = str(exc)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        error = f"{exc.__class__.__name__}: {exc}"
     raise GroupBroken(error)
 
 
@@ -136,6 +141,16 @@ class LockstepGroup:
         mine = torch.tensor(row, dtype=torch.int64, device=self._buf.device)
         collective(dist.all_gather_single, self._buf.view(-1), mine)
         return StepView(self._buf.tolist())
+
+    def gather(self, values: list[int]) -> list[list[int]]:
+        """Blocking: every rank's ``values`` (same length everywhere), in rank order. Used
+        once per formation, to agree on the group's state (its (wave, step) counters)."""
+        if self.world_size == 1:
+            return [[int(v) for v in values]]
+        buf = torch.zeros((self.world_size, len(values)), dtype=torch.int64, device=self._buf.device)
+        mine = torch.tensor(values, dtype=torch.int64, device=self._buf.device)
+        collective(dist.all_gather_single, buf.view(-1), mine)
+        return buf.tolist()
 
     def close(self) -> None:
         if self.world_size > 1:

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from services.engine_worker.lockstep import LockstepGroup
+from services.engine_worker.lockstep import GroupBroken, LockstepGroup
 from shared import keys as K
 from shared.bus import ensure_group
 from shared.messages import FIELD, dumps
@@ -30,6 +30,11 @@ from shared.redis_server import free_port
 
 class ClaimFailed(RuntimeError):
     pass
+
+
+class GroupLost(RuntimeError):
+    """This rank could not rejoin its engine group within ``reform_timeout_s``: the
+    process exits non-zero and its supervisor replaces it."""
 
 
 class GroupMembership:
@@ -42,6 +47,8 @@ class GroupMembership:
     rank: int
     token: str
     gen: int
+    wave: int
+    step: int
     reforms: int
     stopping: asyncio.Event
     core: Any
@@ -215,13 +222,34 @@ class GroupMembership:
 
     async def _form_group(self) -> None:
         addr, port = await self._rendezvous()
-        self.group = await asyncio.to_thread(
+        group = await asyncio.to_thread(
             LockstepGroup.init, self.rank, self.s.ranks, addr, port, self.s.collective_timeout_s, self.s.device)
+        try:
+            await self._adopt_group_counters(group)
+        except GroupBroken:
+            await asyncio.to_thread(group.close)
+            raise
+        self.group = group
         if self.rank == 0:
             # formed: this generation (reset by the next rendezvous); ran: the group has
             # run at least once, so its free slots are a spare's to take (kept across them).
             await self.r.hset(self.keys.dist, mapping={"formed": 1, "ran": 1})
         self.log.info("engine_group_formed", gen=self.gen, world=self.s.ranks)
+
+    async def _adopt_group_counters(self, group: LockstepGroup) -> None:
+        """The (wave, step) counters belong to the group, not to a process: a replacement
+        starts at (0, 0) while the survivors have moved on, and a group whose ranks count
+        different waves ignores its own wake notices (a rank asleep at wave 2 skips a
+        notice for wave 1 while its peer waits for it in the step collective). So every
+        formation starts with one gather of the counters, and every rank adopts the
+        largest (wave, step) of the group: the survivors keep theirs (they are equal:
+        they stepped in lockstep), the replacement takes them over, and each rank's
+        reports stay ordered per rank for the scheduler's aggregator."""
+        rows = await asyncio.to_thread(group.gather, [self.wave, self.step])
+        wave, step = max((int(w), int(st)) for w, st in rows)
+        if (wave, step) != (self.wave, self.step):
+            self.log.info("engine_counters_adopted", wave=wave, step=step, was_wave=self.wave, was_step=self.step)
+        self.wave, self.step = wave, step
 
     async def _announce_replacement(self) -> None:
         """Joining a group that already ran (this rank replaces a dead one): wake the
@@ -236,42 +264,63 @@ class GroupMembership:
                               maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
             self.log.warning("engine_replacing_rank", gen=self.gen)
 
-    async def _reform(self, why: str) -> None:
+    async def _reform(self, why: str) -> bool:
         """The group broke (a rank died or hung) or a replacement joined: leave the old
         group and meet again under a new generation. Work on this rank stays in memory;
-        a step whose collectives were cut is simply computed again."""
+        a step whose collectives were cut is simply computed again.
+
+        Returns True once the group is whole again, False when asked to stop meanwhile
+        (the step loop then ends: the old group is gone, no collective may run on it).
+        Bounded: a rank that cannot rejoin within ``reform_timeout_s`` raises GroupLost and
+        the process exits non-zero, so its supervisor replaces it (a fresh process, fresh
+        torch state) instead of this one retrying in-process forever."""
         self.log.warning("engine_group_reforming", reason=why, gen=self.gen)
-        old = getattr(self, "group", None)
-        if old is not None:
-            try:
-                await asyncio.wait_for(asyncio.to_thread(old.close), 10)
-            except Exception:  # noqa: BLE001 - a broken group may not close cleanly
-                pass
+        await self._leave_group()
+        deadline = time.monotonic() + self.s.reform_timeout_s
         while not self.stopping.is_set():
             try:
                 await self._form_group()
                 self.reforms += 1
-                return
+                return True
             except Exception as exc:  # noqa: BLE001 - retry the rendezvous until the group is whole
                 self.log.warning("engine_group_retry", error=str(exc)[:200])
+                await self._leave_group()
+                if time.monotonic() >= deadline:
+                    raise GroupLost(f"the engine group did not re-form within {self.s.reform_timeout_s:g}s "
+                                    f"(last error: {str(exc)[:160]})") from None
                 try:
-                    await asyncio.to_thread(LockstepGroup.close_default)
-                except Exception:  # noqa: BLE001
+                    await asyncio.wait_for(self.stopping.wait(), 0.5)
+                except asyncio.TimeoutError:
                     pass
-                await asyncio.sleep(0.5)
+        return False
+
+    async def _leave_group(self) -> None:
+        old, self.group = getattr(self, "group", None), None
+        try:
+            if old is not None:
+                await asyncio.wait_for(asyncio.to_thread(old.close), 10)
+            else:
+                await asyncio.to_thread(LockstepGroup.close_default)
+        except Exception:  # noqa: BLE001 - a broken group may not close cleanly
+            pass
 
     async def _release(self) -> None:
         try:
             pipe = self.r.pipeline(transaction=False)
             if await self.r.get(self.keys.rank_alive(self.rank)) == self.token.encode():
                 pipe.delete(self.keys.rank_alive(self.rank))
-            if self.rank == 0:
+            if self.rank == 0 and getattr(self, "group_stopped", False):
+                # Only when the whole group stops: a rank 0 that leaves alone (lost the
+                # group, killed) keeps ``ran`` there, so a spare may take its slot.
                 pipe.delete(self.keys.dist)
             await pipe.execute()
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
         grp = getattr(self, "group", None)
         if grp is not None:
-            await asyncio.to_thread(grp.close)
+            try:
+                await asyncio.to_thread(grp.close)
+            except Exception:  # noqa: BLE001 - a broken group may not close cleanly
+                pass
         await self.r.aclose()
 

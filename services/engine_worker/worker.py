@@ -27,7 +27,7 @@ from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
 from shared.settings import EngineSettings
 from shared.stats import RankStats
 from services.engine_worker.block_manager import BlockManager
-from services.engine_worker.membership import ClaimFailed, GroupMembership
+from services.engine_worker.membership import ClaimFailed, GroupLost, GroupMembership
 from services.engine_worker.recv_marks import RecvMarks
 from services.engine_worker.batch_gate import BatchGate
 from services.engine_worker.lockstep import Action, GroupBroken, StepView
@@ -83,6 +83,7 @@ class EngineWorker(GroupMembership):
         self.gen = 0                              # generation of the engine group this rank is in
         self.reforms = 0
         self._reform_requested = False
+        self.group_stopped = False                # the whole group stopped together (not: this rank left it)
         self.consumer = ""
 
     # ------------------------------------------------------------------ start-up
@@ -121,7 +122,11 @@ class EngineWorker(GroupMembership):
             port = self.s.metrics_port + self.rank if self.s.spare and self.s.metrics_port else self.s.metrics_port
             self.metrics = start_metrics(port, self.rank)
             self.log.info("engine_ready", world=self.s.ranks, backend=self.s.backend, pid=os.getpid())
-            await self._step_loop()
+            try:
+                await self._step_loop()
+            except GroupLost as exc:
+                self.log.error("engine_group_lost", error=str(exc))
+                return 4
             return 0
         finally:
             watcher.cancel()
@@ -150,7 +155,8 @@ class EngineWorker(GroupMembership):
             plan, row = self.rs.plan(time.monotonic(), self.stopping.is_set())
             if self._reform_requested:
                 self._reform_requested = False
-                await self._reform("a replacement rank joined")
+                if not await self._reform("a replacement rank joined"):
+                    return
             tx = time.perf_counter()
             if trace.ENABLED:
                 trace.mark(f"step_start:{self.rank}")
@@ -159,7 +165,8 @@ class EngineWorker(GroupMembership):
                 # loop has nothing else to do meanwhile (liveness beats from its own thread).
                 view: StepView = self.group.exchange(row)
             except GroupBroken as exc:         # a peer died or hung past the collective timeout
-                await self._reform(f"step collective failed: {str(exc)[:160]}")
+                if not await self._reform(f"step collective failed: {str(exc)[:160]}"):
+                    return
                 continue
             self.exchange_s += time.perf_counter() - tx
             if trace.ENABLED:
@@ -167,6 +174,7 @@ class EngineWorker(GroupMembership):
             action, released = self.rs.decide(plan, view, time.monotonic())
             if action is Action.STOP:
                 self.log.info("engine_stopping", wave=self.wave, step=self.step)
+                self.group_stopped = True
                 return
             if action is Action.HOLD:
                 # Every rank's work is held by the batch gate: no forward (not even an idle
@@ -184,7 +192,8 @@ class EngineWorker(GroupMembership):
             try:
                 sampled = await self._forward(plan, action, view)
             except GroupBroken as exc:         # the all-to-all was cut: this step is recomputed
-                await self._reform(f"forward collective failed: {str(exc)[:160]}")
+                if not await self._reform(f"forward collective failed: {str(exc)[:160]}"):
+                    return
                 continue
             outputs = self.core.postprocess(plan, sampled, time.time())
             dur_ms = (time.perf_counter() - t0) * 1000

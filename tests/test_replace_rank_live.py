@@ -1,0 +1,99 @@
+"""Replacing a dead rank keeps the group usable (issue #14 item 1): a real
+`lockstep up --ranks 2 --spares 1 --backend sim` cluster; SIGKILL one rank, a hot spare
+takes its slot, the group re-forms and pauses; then requests pinned to EVERY rank must
+complete within a bound, the group's (wave, step) counters agree again, and another
+pause/wake cycle still works. Rank 0 is the hard case: its replacement starts with fresh
+counters while the survivor's wave has moved on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import redis
+
+from shared.keys import Keys
+from tests.conftest import start_cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+MODEL = "lockstep-moe"
+RANKS = 2
+
+
+def _poll(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout}s (last value {value!r})")
+        time.sleep(0.05)
+
+
+async def _pinned_round(url: str, tag: str, bound_s: float, ranks: list[int]) -> None:
+    """Two requests pinned to each of ``ranks``; all must finish within ``bound_s``."""
+    async with httpx.AsyncClient(timeout=bound_s) as http:
+        async def one(rank: int, i: int) -> int:
+            resp = await http.post(url + "/completions", json={
+                "model": MODEL, "prompt": f"{tag} {rank} {i}", "max_tokens": 4, "ignore_eos": True,
+                "data_parallel_rank": rank})
+            assert resp.status_code == 200, resp.text
+            return resp.json()["usage"]["completion_tokens"]
+        done = await asyncio.wait_for(asyncio.gather(*(one(r, i) for r in ranks for i in range(2))), bound_s)
+    assert done == [4] * (2 * len(ranks))
+
+
+def _paused(r: redis.Redis, k: Keys) -> bool:
+    return r.exists(k.paused) == 1
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_replaced_rank_group_serves_every_rank(tmp_path, victim):
+    saved = os.environ.get("LOCKSTEP_COLLECTIVE_TIMEOUT_S")
+    os.environ["LOCKSTEP_COLLECTIVE_TIMEOUT_S"] = "5"
+    try:
+        cluster = start_cluster(tmp_path, "--ranks", str(RANKS), "--api-servers", "1", "--backend", "sim",
+                                "--spares", "1", namespace=f"rep{victim}{os.getpid()}")
+    finally:
+        if saved is None:
+            os.environ.pop("LOCKSTEP_COLLECTIVE_TIMEOUT_S", None)
+        else:
+            os.environ["LOCKSTEP_COLLECTIVE_TIMEOUT_S"] = saved
+    r = redis.Redis.from_url(cluster.redis_url)
+    k = Keys(cluster.namespace)
+    try:
+        # Let the group run a few waves first, so the survivor's counters are ahead of a
+        # fresh process's.
+        for w in range(3):
+            asyncio.run(_pinned_round(cluster.api_url, f"warm{w}", 20, list(range(RANKS))))
+            _poll(lambda: _paused(r, k), 20, "group paused")
+        old_pid = int(r.hget(k.rank_info(victim), "pid"))
+        gen = int(r.hget(k.dist, "gen"))
+        os.kill(old_pid, signal.SIGKILL)
+
+        def replaced():
+            pid = int(r.hget(k.rank_info(victim), "pid") or 0)
+            d = r.hgetall(k.dist)
+            return (pid not in (0, old_pid) and r.hexists(k.rank_info(victim), "ready")
+                    and int(d.get(b"gen", 0)) > gen and d.get(b"formed") == b"1")
+        _poll(replaced, 60, "a spare took the rank and the group re-formed")
+        _poll(lambda: _paused(r, k), 30, "re-formed group paused")
+
+        # Work for one rank alone wakes the whole group (the others must join its steps),
+        # then for every rank at once; pause after pause.
+        for w, ranks in enumerate([[0], [1], [0, 1], [1], [0]]):
+            asyncio.run(_pinned_round(cluster.api_url, f"after{w}", 15, ranks))
+            _poll(lambda: _paused(r, k), 20, "group paused again")
+        # The group's counters agree: both ranks report the same (wave, step).
+        def aligned():
+            infos = [r.hmget(k.rank_info(i), ["wave", "step"]) for i in range(RANKS)]
+            return len({tuple(x) for x in infos}) == 1
+        _poll(aligned, 10, "ranks report the same (wave, step)")
+    finally:
+        r.close()
+        assert cluster.stop() == 0
