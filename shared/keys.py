@@ -19,7 +19,7 @@ OUT_STREAM_TTL_S = 3_600
 STATS_STREAM_MAXLEN = 20_000
 WAVE_STREAM_MAXLEN = 1_000
 STEP_HASH_TTL_S = 120
-REQ_HASH_TTL_S = 3_600
+REQ_HASH_TTL_S = 600      # default of the request_record_ttl_s setting (shared/settings.py)
 BATCH_HASH_TTL_S = 600
 
 

@@ -114,6 +114,7 @@ class SchedulerSettings(Settings):
     grace_ms: float = field(default=50.0, metadata={"help": "Wait this long for missing ranks before finalizing a step."})
     snapshot_min_interval_ms: float = field(default=5.0, metadata={"help": "Publish snapshots at most this often (newer steps coalesce; at real step times every step is published)."})
     max_wait_ms: float = field(default=0.0, metadata={"help": "Staggered: longest a request is held; 0 = learned (about two steps)."})
+    request_record_ttl_s: int = field(default=600, metadata={"help": "Lifetime of a request record <ns>:req:<id>, refreshed at each write (memory: about 350 bytes x request rate x this; docs/operations.md)."})
     lease_ms: int = field(default=1000, metadata={"help": "Leadership lease (renewed every third of it); a standby takes over after it lapses."})
     metrics_port: int = field(default=0, metadata={"help": "Serve Prometheus metrics (lockstep_*) on this port; 0 = off."})
 
@@ -135,6 +136,7 @@ class EngineSettings(Settings):
     max_model_len: int = field(default=4096, metadata={"help": "Prompt + output tokens per request."})
     time_scale: float = field(default=1.0, metadata={"help": "sim: multiply modeled device time (0 = no device time)."})
     cost_model: str = field(default="", metadata={"help": "sim: JSON file with calibrated cost-model constants."})
+    request_record_ttl_s: int = field(default=600, metadata={"help": "Lifetime of a request record <ns>:req:<id>, refreshed at each write (memory: about 350 bytes x request rate x this; docs/operations.md)."})
     heartbeat_ms: int = field(default=1000, metadata={"help": "Heartbeat period; the alive key lives 3x this."})
     collective_timeout_s: float = field(default=5.0, metadata={"help": "A collective that takes longer means a rank died (keep it above the longest step)."})
     reform_timeout_s: float = field(default=60.0, metadata={"help": "A rank that cannot rejoin its engine group within this exits (code 4) to be replaced."})

@@ -115,6 +115,19 @@ def test_request_shows_rank_and_timeline(cluster, client):
 
 
 # --------------------------------------------------------------------- drain/resume
+def test_request_record_lives_request_record_ttl_s(cluster, client):
+    """The request record's TTL is the setting's (default 600 s), not a fixed hour:
+    at 1.1 k req/s an hour is ~4 M hashes (docs/operations.md, Redis memory)."""
+    from shared.settings import EngineSettings, SchedulerSettings
+    assert SchedulerSettings().request_record_ttl_s == EngineSettings().request_record_ttl_s == 600
+    r = complete(client, 4)
+    keys = Keys(cluster.namespace)
+    state = poll(lambda: redis_get(cluster, lambda c: c.hget(keys.req(r.id), "state")) == b"finished")
+    assert state
+    ttl = redis_get(cluster, lambda c: c.ttl(keys.req(r.id)))
+    assert 0 < ttl <= 600
+
+
 def test_drain_keeps_new_work_off_a_rank_that_finishes_its_own(cluster, client):
     keys = Keys(cluster.namespace)
     # A long request pinned to rank 1, streaming while the rank is drained.

@@ -23,6 +23,10 @@ from shared.wake import wake_if_paused
 from shared import trace
 
 
+FOLLOW_BACKOFF_MIN_S = 0.1   # snapshot follower: first retry after a lost connection
+FOLLOW_BACKOFF_MAX_S = 5.0   # ... doubling up to this
+
+
 class RequestChannel:
     """Tokens of one request as they arrive; ``pos`` in each delta drops duplicates."""
 
@@ -274,18 +278,38 @@ class Gateway:
 
     async def _follow_snapshots(self) -> None:
         """Feed each published snapshot to this replica's policy (client dispatch) and to
-        its /metrics gauges (the load view this replica sees)."""
-        blob = await self.r.hget(self.keys.snapshot, "json")
-        if blob:
-            self._on_snapshot(blob)
-        pubsub = self.r.pubsub()
-        await pubsub.subscribe(self.keys.snapshot_channel)
-        try:
-            async for msg in pubsub.listen():
-                if msg.get("type") == "message":
-                    self._on_snapshot(msg["data"])
-        finally:
-            await pubsub.aclose()
+        its /metrics gauges (the load view this replica sees).
+
+        Survives Redis errors: after a lost connection (a restart, a failover, a killed
+        client) it subscribes again with backoff, and reads the latest snapshot after each
+        subscription (so none published meanwhile is missed for long). Without this a
+        client-dispatch replica's view would only grow: no snapshot would clear what it
+        dispatched since the last one."""
+        backoff = FOLLOW_BACKOFF_MIN_S
+        while True:
+            pubsub = self.r.pubsub()
+            try:
+                await pubsub.subscribe(self.keys.snapshot_channel)
+                blob = await self.r.hget(self.keys.snapshot, "json")
+                if blob:
+                    self._on_snapshot(blob)
+                backoff = FOLLOW_BACKOFF_MIN_S
+                async for msg in pubsub.listen():
+                    if msg.get("type") == "message":
+                        self._on_snapshot(msg["data"])
+                raise ConnectionError("the snapshot subscription ended")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - resubscribe with backoff
+                if self.log is not None:
+                    self.log.warning("snapshot_follower_reconnecting", error=str(exc)[:200], retry_in_s=round(backoff, 2))
+                await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+                backoff = min(FOLLOW_BACKOFF_MAX_S, backoff * 2)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except Exception:  # noqa: BLE001 - the connection may be gone already
+                    pass
 
     async def refresh_snapshot(self) -> None:
         """For /metrics in scheduler-dispatch mode: observe the latest published snapshot."""

@@ -317,7 +317,7 @@ class EngineWorker(GroupMembership):
                 pipe.hset(self.keys.req(seq.id), mapping={
                     "state": "finished", "finish": out.finish_reason, "rank": self.rank,
                     "tokens": len(seq.generated), "t_finished": now})
-                pipe.expire(self.keys.req(seq.id), K.REQ_HASH_TTL_S)
+                pipe.expire(self.keys.req(seq.id), self.s.request_record_ttl_s)
         aborted, self._aborted = self._aborted, []
         for seq in aborted:
             by_api[seq.api].append(Delta(seq.id, len(seq.generated), [], "abort",
@@ -325,7 +325,7 @@ class EngineWorker(GroupMembership):
             acks.append(self._forget(seq.id))
             pipe.hset(self.keys.req(seq.id), mapping={"state": "finished", "finish": "abort", "rank": self.rank,
                                                        "tokens": len(seq.generated), "t_finished": now})
-            pipe.expire(self.keys.req(seq.id), K.REQ_HASH_TTL_S)
+            pipe.expire(self.keys.req(seq.id), self.s.request_record_ttl_s)
         for api, deltas in by_api.items():
             pipe.xadd(self.keys.out(api), {FIELD: encode_deltas(deltas)}, maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
             pipe.expire(self.keys.out(api), K.OUT_STREAM_TTL_S)   # gone an hour after its replica

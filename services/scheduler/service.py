@@ -318,7 +318,7 @@ class SchedulerService:
         if a.batch:
             rec["batch"] = a.batch
         pipe.hset(self.keys.req(req.id), mapping=rec)
-        pipe.expire(self.keys.req(req.id), K.REQ_HASH_TTL_S)
+        pipe.expire(self.keys.req(req.id), self.s.request_record_ttl_s)
         self.assigned[req.id] = a.rank
         if len(self.assigned) > ASSIGNED_MEMORY:
             self.assigned.popitem(last=False)
