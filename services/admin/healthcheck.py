@@ -3,8 +3,10 @@
 - ``scheduler``: Redis answers and some scheduler holds the leadership lease (a standby
   is healthy while another one leads).
 - ``engine``: Redis answers and a rank slot whose heartbeat is alive was claimed from
-  this host (``<ns>:rank:{r}:info`` host == this container's hostname), or this host's
-  hot spare is waiting for one (``<ns>:spare:*`` value ``pid@host``).
+  this host (``<ns>:rank:{r}:info`` host == this container's hostname) by a rank whose
+  step loop makes progress (``stalled_s`` 0: a wedged rank stops renewing its slot and
+  reports how long it has been stuck), or this host's hot spare is waiting for one
+  (``<ns>:spare:*`` value ``pid@host``).
 
 Settings (Redis URL, namespace, ranks) come from the same LOCKSTEP_* variables as the
 service. Exit 0 when healthy, 1 with one line on stderr when not.
@@ -33,12 +35,20 @@ async def check(role: str) -> str | None:
             host = socket.gethostname()
             pipe = r.pipeline(transaction=False)
             for i in range(s.ranks):
-                pipe.hget(k.rank_info(i), "host")
+                pipe.hmget(k.rank_info(i), ["host", "stalled_s"])
                 pipe.exists(k.rank_alive(i))
             res = await pipe.execute()
+            wedged = []
             for i in range(s.ranks):
-                if res[2 * i] == host.encode() and res[2 * i + 1]:
+                (h, stalled), alive = res[2 * i], res[2 * i + 1]
+                if h != host.encode():
+                    continue
+                if float(stalled or 0) > 0:
+                    wedged.append(f"rank {i} is wedged: its step loop made no progress for {float(stalled):g}s")
+                elif alive:
                     return None
+            if wedged:
+                return "; ".join(wedged)
             spares = [key async for key in r.scan_iter(match=k.spare("*"), count=1000)]
             if spares and any(v and v.split(b"@", 1)[-1] == host.encode() for v in await r.mget(spares)):
                 return None

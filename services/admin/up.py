@@ -22,6 +22,7 @@ import httpx
 
 from services.admin import local_state
 from shared import keys as K
+from shared import lease
 from shared.bus import RedisUnreachable, check_reachable, connect, redact_url
 from shared.redis_server import EmbeddedRedis, die_with_parent
 
@@ -217,8 +218,10 @@ class LocalCluster:
             for rank in range(self.o.ranks):
                 (pid, token), alive = res[2 * rank], res[2 * rank + 1]
                 if int(pid or 0) == dead_pid and token is not None and alive == token:
+                    # Compare-and-delete: a spare may have taken the slot since the read.
+                    if not await lease.release(r, k.rank_alive(rank), token.decode()):
+                        return None
                     pipe = r.pipeline(transaction=True)
-                    pipe.delete(k.rank_alive(rank))
                     pipe.lpush(k.vacancies, rank)
                     pipe.ltrim(k.vacancies, 0, 63)
                     await pipe.execute()

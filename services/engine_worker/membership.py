@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from services.engine_worker.lockstep import GroupBroken, LockstepGroup
 from shared import keys as K
+from shared import lease
 from shared.bus import ensure_group
 from shared.messages import FIELD, dumps
 from shared.redis_server import free_port
@@ -75,7 +76,7 @@ class GroupMembership:
         if len(won) > 1:   # one slot per process: give back the others at once
             pipe = self.r.pipeline(transaction=False)
             for r in won[1:]:
-                pipe.delete(self.keys.rank_alive(r))
+                lease.release(pipe, self.keys.rank_alive(r), self.token)
             await pipe.execute()
         return won[0] if won else None
 
@@ -110,13 +111,44 @@ class GroupMembership:
             except Exception:  # noqa: BLE001 - it lapses within its TTL anyway
                 pass
 
+    def _mark_progress(self) -> None:
+        """The step loop (or a pause, a hold, a re-formation) went round once more."""
+        self.progress_t = time.monotonic()
+
+    def _stall_bound_s(self) -> float:
+        """Longest a healthy rank's loop may go without a round: a step (at most
+        ``collective_timeout_s``, by that setting's rule) plus a collective waiting out a
+        hung peer (``collective_timeout_s``) plus a few heartbeats of slack."""
+        return 2 * self.s.collective_timeout_s + 3 * self.s.heartbeat_ms / 1000
+
+    def _stalled_s(self) -> float | None:
+        """Seconds since the step loop's last round when that exceeds the bound (a wedged
+        rank), else None. Before the step loop starts (start-up, model load) never."""
+        t = getattr(self, "progress_t", None)
+        if t is None or not getattr(self, "stepping", False):
+            return None
+        idle = time.monotonic() - t
+        return idle if idle > self._stall_bound_s() else None
+
+    def _on_slot_lost(self, holder: Any) -> None:
+        """Another process holds this rank's slot now (ours lapsed: a stall, a partition):
+        this process is stale and must not run as that rank any longer. It exits at
+        once, as a crash would; the group re-forms with the slot's new owner."""
+        self.log.error("rank_slot_lost", holder=str(holder)[:40])
+        os._exit(5)
+
     def _start_liveness(self) -> Callable[[], None]:
         """Renew this rank's alive key (and identity) from a thread with its own connection.
 
         The step collective runs on the event loop thread (a thread hop would cost more
         than the collective itself), and a hung peer holds it there for up to
         collective_timeout_s, longer than the key lives: liveness must not depend on the
-        loop. Returns what stops it (blocking until its last beat is written)."""
+        loop. But it follows it: the key is renewed only while the step loop makes
+        progress (``_mark_progress`` within ``_stall_bound_s``); a wedged rank stops
+        renewing, its slot lapses and a spare takes it, and ``stalled_s`` in its info
+        tells the health check why. Renewal is fenced (shared/lease.py): it never
+        overwrites another owner's token; finding one, this process leaves
+        (``_on_slot_lost``). Returns what stops it (blocking until its last beat is written)."""
         import redis
 
         done = threading.Event()
@@ -130,12 +162,19 @@ class GroupMembership:
         def beat() -> None:
             failing = False
             while not done.is_set():
+                stalled = self._stalled_s()
                 try:
                     pipe = client.pipeline(transaction=False)
-                    pipe.set(alive_key, self.token, px=ttl)
+                    if stalled is None:
+                        lease.renew(pipe, alive_key, self.token, ttl)
                     # Identity too, so a restarted (empty) Redis learns it again within a beat.
-                    pipe.hset(info_key, mapping=identity)
-                    pipe.execute()
+                    pipe.hset(info_key, mapping={**identity, "stalled_s": round(stalled or 0.0, 1)})
+                    res = pipe.execute()
+                    if stalled is not None:
+                        log.error("rank_stalled", stalled_s=round(stalled, 1), bound_s=self._stall_bound_s())
+                    elif not lease.is_holder(res[0], self.token):
+                        self._on_slot_lost(res[0])
+                        return
                     if failing:
                         log.info("heartbeat_restored")
                     failing = False
@@ -212,6 +251,7 @@ class GroupMembership:
             return self.s.group_host, port
         deadline = time.monotonic() + max(self.s.collective_timeout_s, 60.0)
         while time.monotonic() < deadline and not self.stopping.is_set():
+            self._mark_progress()
             d = await self.r.hgetall(self.keys.dist)
             rank0 = await self.r.get(self.keys.rank_alive(0))
             if d and rank0 and d.get(b"token") == rank0 and int(d.get(b"gen", 0)) > self.gen:
@@ -278,6 +318,7 @@ class GroupMembership:
         await self._leave_group()
         deadline = time.monotonic() + self.s.reform_timeout_s
         while not self.stopping.is_set():
+            self._mark_progress()
             try:
                 await self._form_group()
                 self.reforms += 1
@@ -307,8 +348,7 @@ class GroupMembership:
     async def _release(self) -> None:
         try:
             pipe = self.r.pipeline(transaction=False)
-            if await self.r.get(self.keys.rank_alive(self.rank)) == self.token.encode():
-                pipe.delete(self.keys.rank_alive(self.rank))
+            lease.release(pipe, self.keys.rank_alive(self.rank), self.token)   # only if still ours
             if self.rank == 0 and getattr(self, "group_stopped", False):
                 # Only when the whole group stops: a rank 0 that leaves alone (lost the
                 # group, killed) keeps ``ran`` there, so a spare may take its slot.

@@ -84,6 +84,8 @@ class EngineWorker(GroupMembership):
         self.reforms = 0
         self._reform_requested = False
         self.group_stopped = False                # the whole group stopped together (not: this rank left it)
+        self.stepping = False                     # the step loop runs (liveness then follows its progress)
+        self.progress_t: float | None = None      # monotonic time of the step loop's last round
         self.consumer = ""
 
     # ------------------------------------------------------------------ start-up
@@ -150,7 +152,9 @@ class EngineWorker(GroupMembership):
 
     # ------------------------------------------------------------------ step loop
     async def _step_loop(self) -> None:
+        self.stepping = True        # from now on liveness follows the loop's progress
         while True:
+            self._mark_progress()
             self._ingest()
             plan, row = self.rs.plan(time.monotonic(), self.stopping.is_set())
             if self._reform_requested:
@@ -408,6 +412,7 @@ class EngineWorker(GroupMembership):
         arrived: list[tuple[bytes, dict[str, Any]]] = []
         notified = False
         while not (arrived or notified or self._reform_requested or self.stopping.is_set()):
+            self._mark_progress()   # paused is legitimate: the read returns every heartbeat
             self.round_trips += 1
             resp = await retrying(lambda: self.r.xread({inbox: self.inbox_last, self.keys.wave: self.wave_last},
                                                        block=self.s.heartbeat_ms, count=16),

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from typing import Any
 
 from shared import keys as K
+from shared import lease
 from services.scheduler.housekeeping import recover_orphans, trim_acked
 from shared.bus import decode_entries, ensure_group, open_service_connection, retrying
 from shared.logging import configure
@@ -96,8 +97,7 @@ class SchedulerService:
             if t is not stopper and t.exception():
                 self.log.error("scheduler_failed", error=repr(t.exception()))
         try:
-            if await self.r.get(self.keys.leader) == self.id.encode():
-                await self.r.delete(self.keys.leader)
+            await lease.release(self.r, self.keys.leader, self.id)   # only if still ours
         finally:
             await self.r.aclose()
         return 0
@@ -154,14 +154,14 @@ class SchedulerService:
 
     async def _renew_lease(self) -> None:
         await asyncio.sleep(self.s.lease_ms / 3000)
-        holder = await self.r.set(self.keys.leader, self.id, xx=True, px=self.s.lease_ms, get=True)
-        if holder is None:
-            # The key is gone (a restarted server, or a long outage): take it back if free.
-            if await self.r.set(self.keys.leader, self.id, nx=True, px=self.s.lease_ms):
-                holder = self.id.encode()
-                self.log.warning("lease_reacquired")
-                await self._announce()
-        if holder != self.id.encode():
+        # Fenced (shared/lease.py): extended only while it is ours, taken back only if free
+        # (a restarted server, a long outage); another leader's lease is never overwritten.
+        before = await self.r.get(self.keys.leader)
+        holder = await lease.renew(self.r, self.keys.leader, self.id, self.s.lease_ms)
+        if before is None and lease.is_holder(holder, self.id):
+            self.log.warning("lease_reacquired")
+            await self._announce()
+        if not lease.is_holder(holder, self.id):
             self.log.error("leadership_lost", holder=holder)
             self.stop.set()
             return

@@ -1,0 +1,134 @@
+"""Fenced leases (issue #14 item 6), against the real embedded Redis: rank slots and the
+scheduler lease are renewed and released only by their owner's token, and a rank's slot
+is renewed only while its step loop makes progress (a wedged rank loses its slot and
+fails the container health check)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import pytest
+import redis
+
+from services.admin import healthcheck
+from services.engine_worker.membership import GroupMembership
+from services.scheduler.service import SchedulerService
+from shared import keys as K
+from shared import lease
+from shared.bus import connect
+from shared.logging import configure
+from shared.settings import EngineSettings, SchedulerSettings
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+def _wait(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout}s (last value {value!r})")
+        time.sleep(0.02)
+
+
+def test_lease_scripts_are_fenced_by_token(redis_url, namespace):
+    r = redis.Redis.from_url(redis_url)
+    key = K.Keys(namespace).rank_alive(0)
+    try:
+        r.set(key, "new-owner", px=5000)
+        # A stale owner's heartbeat neither overwrites nor extends the new owner's lease.
+        assert lease.renew(r, key, "stale-owner", 60_000) == b"new-owner"
+        assert r.get(key) == b"new-owner" and r.pttl(key) <= 5000
+        # Release by a non-owner deletes nothing; by the owner it does.
+        assert lease.release(r, key, "stale-owner") == 0 and r.get(key) == b"new-owner"
+        assert lease.release(r, key, "new-owner") == 1 and r.get(key) is None
+        # A free lease is taken back on renewal (a restarted server), unless told not to.
+        assert lease.renew(r, key, "a", 1000, reacquire=False) is None and r.get(key) is None
+        assert lease.renew(r, key, "a", 1000) == b"a" and r.get(key) == b"a"
+    finally:
+        r.close()
+
+
+class FakeRank(GroupMembership):
+    """The membership half of an engine rank, without a group: enough to run its
+    liveness thread against Redis."""
+
+    def __init__(self, redis_url: str, namespace: str) -> None:
+        self.s = EngineSettings(redis_url=redis_url, namespace=namespace, ranks=1, heartbeat_ms=100,
+                                collective_timeout_s=0.2)
+        self.keys = K.Keys(namespace)
+        self.log = configure("engine-worker", "error")
+        self.rank = 0
+        self.token = uuid.uuid4().hex
+        self.stepping = False
+        self.progress_t = None
+        self.lost = threading.Event()
+
+    def _on_slot_lost(self, holder) -> None:   # the real one exits the process
+        self.lost.set()
+
+
+def test_heartbeat_never_overwrites_a_new_owner(redis_url, namespace):
+    rank = FakeRank(redis_url, namespace)
+    r = redis.Redis.from_url(redis_url)
+    key = rank.keys.rank_alive(0)
+    r.set(key, rank.token, px=300)
+    stop = rank._start_liveness()
+    try:
+        _wait(lambda: r.pttl(key) > 0 and r.get(key) == rank.token.encode(), 5, "first beat")
+        r.set(key, "replacement", px=5000)      # a spare took the slot while we were stuck
+        assert rank.lost.wait(5), "the stale owner did not notice it lost its slot"
+        assert r.get(key) == b"replacement"
+    finally:
+        stop()
+        r.close()
+
+
+def test_wedged_rank_loses_its_slot_and_fails_the_health_check(redis_url, namespace, monkeypatch):
+    monkeypatch.setenv("LOCKSTEP_REDIS_URL", redis_url)
+    monkeypatch.setenv("LOCKSTEP_NAMESPACE", namespace)
+    monkeypatch.setenv("LOCKSTEP_RANKS", "1")
+    rank = FakeRank(redis_url, namespace)
+    r = redis.Redis.from_url(redis_url)
+    key = rank.keys.rank_alive(0)
+    r.set(key, rank.token, px=300)
+    rank.stepping, rank.progress_t = True, time.monotonic()
+    stop = rank._start_liveness()
+    try:
+        _wait(lambda: r.hget(rank.keys.rank_info(0), "token") == rank.token.encode(), 5, "first beat")
+        assert asyncio.run(healthcheck.check("engine")) is None
+        # The loop stops going round (bound: 2 x 0.2 s + 3 x 0.1 s): no more renewals.
+        rank.progress_t = time.monotonic() - 60
+        _wait(lambda: r.get(key) is None, 5, "the wedged rank's slot lapses")
+        problem = asyncio.run(healthcheck.check("engine"))
+        assert problem is not None and "wedged" in problem, problem
+        # It recovers (nobody took the slot meanwhile): it holds the slot again, healthy.
+        rank.progress_t = time.monotonic() + 3600
+        _wait(lambda: r.get(key) == rank.token.encode(), 5, "slot renewed again")
+        _wait(lambda: asyncio.run(healthcheck.check("engine")) is None, 5, "healthy again")
+    finally:
+        stop()
+        r.close()
+
+
+def test_scheduler_never_overwrites_another_leaders_lease(redis_url, namespace):
+    async def go():
+        svc = SchedulerService(SchedulerSettings(redis_url=redis_url, namespace=namespace, lease_ms=150, ranks=1))
+        svc.r = connect(redis_url)
+        try:
+            await svc.r.set(svc.keys.leader, "other-leader", px=5000)
+            await svc._renew_lease()
+            assert svc.stop.is_set()                                   # it stepped down
+            assert await svc.r.get(svc.keys.leader) == b"other-leader"   # and left the lease alone
+            assert await svc.r.pttl(svc.keys.leader) > 4000
+            # Its exit path releases only its own lease.
+            assert await lease.release(svc.r, svc.keys.leader, svc.id) == 0
+            assert await svc.r.get(svc.keys.leader) == b"other-leader"
+        finally:
+            await svc.r.aclose()
+    asyncio.run(go())
