@@ -404,7 +404,7 @@ def _lockstep(name: str, **extra: Any) -> Factory:
     def make(*, dispatcher_id: str, client_index: int, num_api_servers: int, client_mode: bool,
              ranks: list[int], block_size: int, **params: Any) -> Any:
         kw = {**extra, **params}
-        if name == "staggered":
+        if name in ("staggered", "waterfill"):
             kw.setdefault("block_size", block_size)
         return make_policy(name, dispatcher_id=dispatcher_id, num_api_servers=num_api_servers,
                            client_mode=client_mode, ranks=list(ranks), **kw)
@@ -463,6 +463,11 @@ def policy_specs(lockstep_gate_timeout_s: float = 0.1) -> dict[str, PolicySpec]:
                           "heap on (prompt tokens, requests), longest first, cap "
                           "ceil(total/ranks); py_executor.py _balance_adp_requests "
                           "timeout_iters=50, batching_wait_iters=10"),
+        PolicySpec("trtllm_adp_ctx_wait", _cls(TrtllmAdpRouter), view_delay=False,
+                   late_binding=True, group_gate=lambda: AdpBalanceGate(50, 0),
+                   source="TensorRT-LLM global queue + DefaultADPRouter + _balance_adp_requests "
+                          "with timeout_iters=50, batching_wait_iters=0: the ADP Balance blog's "
+                          "'context wait' row (blog 10)"),
         PolicySpec("trtllm_adp_placement_only", _cls(TrtllmAdpRouter), view_delay=False,
                    late_binding=True,
                    source="TensorRT-LLM executor_request_queue.py global queue + "
@@ -484,6 +489,12 @@ def policy_specs(lockstep_gate_timeout_s: float = 0.1) -> dict[str, PolicySpec]:
         PolicySpec("staggered_aligned", _lockstep("staggered"), lockstep=True,
                    gate=("batch", lockstep_gate_timeout_s), step_budget={},
                    source="lockstep StaggeredBatcher + engine gate + per-step token budget"),
+        PolicySpec("waterfill", _lockstep("waterfill"), lockstep=True,
+                   step_budget={"min_balance": 0.8, "step_ms": 0.0, "max_delay_ms": 2000.0},
+                   source="lockstep WaterFill (late-binding prefill placement) + coordinated prefill budget"),
+        PolicySpec("coordinated", _lockstep("least_tokens"), lockstep=True,
+                   step_budget={"min_balance": 0.8, "step_ms": 0.0},
+                   source="lockstep LeastTokens + coordinated prefill budget (experimental)"),
         _default_spec(),
     ]
     return {s.name: s for s in specs}
