@@ -28,6 +28,7 @@ class RankStats:
     held: int = 0               # prefills held by the staggered-batch gate
     recv: dict[str, int] = field(default_factory=dict)  # dispatcher -> highest Assignment.seq received
     extra: dict[str, Any] = field(default_factory=dict)
+    prefill_pending: int = 0    # prompt tokens queued or mid-prefill on the rank, not yet computed
 
     @property
     def kv_usage(self) -> float:

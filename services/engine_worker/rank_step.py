@@ -17,13 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 from services.engine_worker.batch_gate import BatchGate, batch_number
-from services.engine_worker.lockstep import (F_ALIGN, F_DECODE, F_GATE, F_GATE_HELD, F_MUST, F_RELEASE, F_TOKENS,
-                                             Action, StepView)
+from services.engine_worker.lockstep import (F_ALIGN, F_DECODE, F_GATE, F_GATE_HELD, F_MUST, F_QUEUED, F_RELEASE,
+                                             F_TOKENS, Action, StepView)
 from services.engine_worker.scheduler import EngineScheduler, StepPlan
 from services.engine_worker.sequence import Sequence
-from services.engine_worker.step_budget import BudgetConfig, allowed, allowed_all, must_tokens, shared_budget, trim_plan
-
-ROW_FIELDS = 10   # F_HAS_WORK .. F_ALIGN (services/engine_worker/lockstep.py)
+from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, must_tokens,
+                                                shared_budget, trim_plan)
 
 
 class RankStep:
@@ -36,6 +35,13 @@ class RankStep:
         self.gate = gate
         self.budget = budget                      # None: token alignment off on this rank
         self.since_s: dict[str, float] = {}       # when each sequence reached this rank
+        self.blocked_s = float("-inf")            # last plan that could admit nothing (no slot / KV)
+        self.last_step_ms = 0.0                   # measured duration of the last step (deadline planning)
+        self.held_steps = 0                       # consecutive steps the budget held this rank's prefill back
+
+    def note_step(self, dur_ms: float) -> None:
+        """The step that just ran took ``dur_ms`` (deadlines plan with it)."""
+        self.last_step_ms = dur_ms
 
     def arrived(self, seq: Sequence, now_s: float) -> None:
         """``seq`` was queued on this rank (after ``core.add`` accepted it)."""
@@ -55,24 +61,35 @@ class RankStep:
         else:
             plan = core.schedule(gate.may_prefill if gate.counts else None)
         complete, oldest_held, release = gate.row()
-        must = self.must_tokens(plan, now_s) if self.budget is not None else 0
+        if core.waiting and (core.num_running >= core.max_num_seqs or
+                             not core.bm.can_allocate(core.waiting[0], core.waiting[0].num_tokens)):
+            self.blocked_s = now_s   # a full rank: its queue's prefill deadlines start when room appears
+        must = queued = 0
+        if self.budget is not None:
+            must, queued = self.prefill_need(plan, now_s)
         row = [int(core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
-               release, int(stopping), plan.decode_tokens, must, int(self.budget is not None)]
+               release, int(stopping), plan.decode_tokens, must, int(self.budget is not None), queued]
         return plan, row
 
-    def must_tokens(self, plan: StepPlan, now_s: float) -> int:
-        """Tokens this rank's prefill deadlines need this step (token alignment)."""
+    def prefill_need(self, plan: StepPlan, now_s: float) -> tuple[int, int]:
+        """(tokens this rank's prefill deadlines need this step, prefill tokens pending here
+        — running prefills and the waiting queue, read up to 64 sequences)."""
         since = self.since_s
         now_ms = now_s * 1000.0
         pending = [(since.get(q.id, now_s) * 1000.0, q.pending_prefill())
                    for q in self.core.running if q.is_prefilling]
         if len(pending) < 64:
+            blocked = self.blocked_s
             for q in self.core.waiting:
                 if not q.held:
-                    pending.append((since.get(q.id, now_s) * 1000.0, q.pending_prefill()))
+                    pending.append((max(since.get(q.id, now_s), blocked) * 1000.0, q.pending_prefill()))
                     if len(pending) >= 64:
                         break
-        return must_tokens(plan.decode_tokens, pending, now_ms, 0.0, self.budget)
+        queued = sum(p for _, p in pending)
+        cfg = self.budget
+        if cfg.max_hold_steps and self.held_steps >= cfg.max_hold_steps:
+            return plan.num_tokens, queued       # held long enough: everything it planned
+        return must_tokens(plan.decode_tokens, pending, now_ms, self.last_step_ms, cfg), queued
 
     def decide(self, plan: StepPlan, view: StepView, now_s: float) -> tuple[Action, int]:
         """Apply the group's rows: token alignment (trims ``plan``), the batch gate's
@@ -80,10 +97,13 @@ class RankStep:
         if self.budget is not None and all(view.column(F_ALIGN)):
             T = view.memo.get("budget")
             if T is None:   # the same on every rank: computed once per view
-                decode, tokens = view.column(F_DECODE), view.column(F_TOKENS)
-                T = view.memo["budget"] = shared_budget(decode, tokens, view.column(F_MUST), self.budget)
-                view.set_column(F_TOKENS, allowed_all(decode, tokens, T))
+                T = view.memo["budget"] = self._budget(view)
+            planned = plan.num_tokens
             trim_plan(plan, allowed(plan.decode_tokens, plan.num_tokens, T))
+            self.held_steps = self.held_steps + 1 if plan.num_tokens < planned else 0
+            if plan.dropped and plan.admitted:   # held back entirely: release their KV too
+                gone = set(plan.dropped)
+                self.core.unadmit([q for q in plan.admitted if q.id in gone])
         released = 0
         gate = self.gate
         if gate.counts or any(view.column(F_GATE_HELD)):
@@ -91,6 +111,24 @@ class RankStep:
                                            view.rows[0][F_RELEASE], now_s)
             gate.forget_done({batch_number(q.batch) for q in self.core.waiting if q.held})
         return view.action(self.rank), released
+
+
+    def _budget(self, view: StepView) -> int:
+        """This step's shared token budget (the same on every rank: a function of the rows)."""
+        cfg = self.budget
+        decode, tokens, must = view.column(F_DECODE), view.column(F_TOKENS), view.column(F_MUST)
+        if cfg.min_balance > 0:
+            backlog = sum(view.column(F_QUEUED)) / (len(decode) * cfg.max_tokens)
+            if backlog >= cfg.backlog_steps:     # throughput first: balanced steps, deadlines bound holds
+                T = balanced_budget(decode, tokens, cfg.min_balance, cfg.max_tokens)
+                for t, m in zip(tokens, must):
+                    T = max(T, min(int(t), int(m)))
+            else:                               # headroom: TTFT first, every rank runs its plan
+                T = cfg.max_tokens
+        else:
+            T = shared_budget(decode, tokens, must, cfg)
+        view.set_column(F_TOKENS, allowed_all(decode, tokens, T))
+        return T
 
 
 def _never(seq: Sequence) -> bool:

@@ -69,6 +69,8 @@ class StepPlan:
     max_context: int = 0         # largest context (start_pos + tokens) of any chunk
     decode_context: int = 0      # largest context among the decodes
     held: int = 0                # waiting sequences the gate held this step
+    admitted: list[Sequence] = field(default_factory=list)   # admitted by this plan, in order
+    dropped: list[str] = field(default_factory=list)         # chunks trimmed away entirely (token alignment)
     _chunks: list[ChunkInput] | None = None
 
     @property
@@ -159,6 +161,18 @@ class EngineScheduler:
             total += s.prefill_target - s.num_computed_tokens if s.is_prefilling else 0
             total += s.remaining_output
         return total
+
+    def load(self) -> tuple[int, int]:
+        """(outstanding_tokens(), prefill tokens not yet computed) in one pass."""
+        total = pending = 0
+        for s in self.waiting:
+            pending += s.num_tokens
+            total += s.remaining_output
+        for s in self.running:
+            if s.num_computed_tokens < s.prefill_target:
+                pending += s.prefill_target - s.num_computed_tokens
+            total += s.remaining_output
+        return total + pending, pending
 
     def get(self, seq_id: str) -> Sequence | None:
         return self._seqs.get(seq_id)
@@ -319,6 +333,7 @@ class EngineScheduler:
                 seq.num_computed_tokens = 0
                 seq.prefill_target = n
                 run.append(seq)
+                plan.admitted.append(seq)
                 end = min(n, budget)
                 chunks.append(self._chunk(seq, 0, end, end == n))
                 plan.prefill_tokens += end
@@ -392,6 +407,19 @@ class EngineScheduler:
         if len(seq.generated) >= params.max_tokens:   # add() keeps prompt+max_tokens <= max_model_len
             return "length"
         return None
+
+    def unadmit(self, seqs: list[Sequence]) -> None:
+        """Undo this step's admission of ``seqs`` (their chunks were trimmed away): free
+        their blocks and put them back at the front of the queue, in order, so a budget
+        that holds a prefill back never holds KV for it."""
+        for seq in reversed(seqs):
+            if seq.status is not RUNNING or seq.num_computed_tokens:
+                continue
+            self.running.remove(seq)
+            self.bm.free(seq)
+            seq.status = WAITING
+            seq.prefill_target = 0
+            self.waiting.appendleft(seq)
 
     # -- internals ---------------------------------------------------------------------
 

@@ -80,6 +80,9 @@ class BudgetConfig:
     min_chunk: int = 0              # a step with prefill lets every rank add at least this much
     max_delay_ms: float = 300.0     # bounded delay: every prefill done this long after it became schedulable
     step_ms: float = 10.0           # step time must_tokens plans with (0: the caller's measured step)
+    min_balance: float = 0.0        # >0: under a backlog, the largest budget whose step stays this balanced
+    backlog_steps: float = 1.0      # a backlog: the group's pending prefill fills this many full steps
+    max_hold_steps: int = 0         # >0: a rank whose prefill was held this many steps in a row runs it
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -90,6 +93,8 @@ class BudgetConfig:
             raise ValueError("spread must be in [0, 1)")
         if self.min_chunk < 0 or self.max_delay_ms < 0:
             raise ValueError("min_chunk and max_delay_ms must be >= 0")
+        if not 0.0 <= self.min_balance < 1.0:
+            raise ValueError("min_balance must be in [0, 1)")
 
 
 def shared_budget(decode: Sequence[int], tokens: Sequence[int], must: Sequence[int] | None = None,
@@ -123,6 +128,25 @@ def shared_budget(decode: Sequence[int], tokens: Sequence[int], must: Sequence[i
             if m > T:
                 T = m
     return max(1, min(B, T))
+
+
+def balanced_budget(decode: Sequence[int], tokens: Sequence[int], min_balance: float,
+                    max_tokens: int) -> int:
+    """The largest budget ``T`` whose step keeps ``sum(allowed) / (ranks x max(allowed))``
+    at or above ``min_balance`` (throughput-first under a backlog): the step lasts as long
+    as its busiest rank, so a budget only pays when most ranks can fill it. Candidates are
+    the ranks' own levels (what each could compute) and the largest decode; at least the
+    largest decode is always allowed (decodes never wait)."""
+    n = len(decode)
+    d_max = max(max(0, int(d)) for d in decode)
+    caps = [min(int(t), max_tokens) for t in tokens]
+    best = max(1, min(max_tokens, d_max))
+    for T in sorted({c for c in caps if c > best}, reverse=True):
+        got = [min(c, max(int(d), T)) for d, c in zip(decode, caps)]
+        mx = max(got)
+        if mx > 0 and sum(got) >= min_balance * n * mx:
+            return T
+    return best
 
 
 def must_tokens(decode: int, pending: Iterable[tuple[float, int]], now_ms: float, step_ms: float,
@@ -188,6 +212,8 @@ def trim_plan(plan: Any, limit: int) -> Any:
         plan.prefill_tokens -= cut
         if cut < ch.num_tokens:
             keep.append(replace(ch, token_ids=ch.token_ids[:ch.num_tokens - cut], sample=False))
+        else:
+            plan.dropped.append(ch.seq_id)
     keep.reverse()
     plan.set_prefill(keep)
     return plan
@@ -204,6 +230,8 @@ def trim_plan(plan: Any, limit: int) -> Any:
         plan.prefill_tokens -= cut
         if cut < ch.num_tokens:
             keep.append(replace(ch, token_ids=ch.token_ids[:ch.num_tokens - cut], sample=False))
+        else:
+            plan.dropped.append(ch.seq_id)
     keep.reverse()
     plan.chunks = keep
     plan.max_context = max((c.context_len for c in keep), default=0)

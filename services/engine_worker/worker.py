@@ -201,6 +201,7 @@ class EngineWorker(GroupMembership):
                 continue
             outputs = self.core.postprocess(plan, sampled, time.time())
             dur_ms = (time.perf_counter() - t0) * 1000
+            self.rs.note_step(dur_ms)
             await self._publish(plan, outputs, action, dur_ms)
             self.step += 1
 
@@ -259,17 +260,19 @@ class EngineWorker(GroupMembership):
         pipe = Recorder()
         finished = self._write_outputs(pipe, outputs, now)
         ran = action is Action.RUN
+        outstanding, pending = self.core.load()
         stats = RankStats(
             rank=self.rank, wave=self.wave, step=self.step, waiting=self.core.num_waiting,
             running=self.core.num_running, scheduled=plan.num_tokens if ran else 0,
             prefill=plan.prefill_tokens if ran else 0, decode=plan.decode_tokens if ran else 0,
             kv_used=self.core.kv_used, kv_total=self.core.kv_total,
-            outstanding=self.core.outstanding_tokens(), idle=action is Action.IDLE,
+            outstanding=outstanding, idle=action is Action.IDLE,
             dur_ms=round(dur_ms, 3), t=now, finished=finished, held=plan.held, recv=self.recv.as_dict(time.monotonic()),
             extra={"gate_full": self.gate.released_full, "gate_timeout": self.gate.released_timeout,
                    "preemptions": self.core.num_preemptions, "reforms": self.reforms, "gen": self.gen, "round_trips": self.round_trips,
                    "exchange_s": round(self.exchange_s, 6),
-                   "comm_s": round(getattr(self.backend, "comm_seconds", 0.0), 6)})
+                   "comm_s": round(getattr(self.backend, "comm_seconds", 0.0), 6)},
+            prefill_pending=pending)
         if getattr(self, "metrics", None) is not None:
             self.metrics.on_step(stats)
         blob = dumps(stats.to_dict())

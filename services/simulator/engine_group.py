@@ -231,6 +231,8 @@ class EngineGroup:
         div = self.div
         dur = self.cost.step_ms(mx / div if div > 1 else mx, max_ctx / div if div > 1 else max_ctx) / 1000.0
         t_end = now + dur
+        for rs in self.ranks:
+            rs.note_step(dur * 1000.0)
         R = self.R
         sched = np.zeros(R, dtype=np.int64)
         pf = np.zeros(R, dtype=np.int64)
@@ -278,11 +280,11 @@ class EngineGroup:
             if self.report_tokens:   # SGLang's token load: KV held + prompt tokens waiting
                 extra["tokens"] = (sum(q.num_computed_tokens for q in core.running)
                                    + sum(q.num_tokens for q in core.waiting))
+            outstanding, pending = core.load() if self.report_outstanding else (0, 0)
             stats.append(RankStats(
                 r, wave, step, core.num_waiting, core.num_running, sched[r], pf[r], dc[r],
-                core.kv_used, core.kv_total,
-                core.outstanding_tokens() if self.report_outstanding else 0, idle[r],
-                dur_ms, t, 0, sum(1 for q in core.waiting if q.held), dict(self.recv[r]), extra))
+                core.kv_used, core.kv_total, outstanding, idle[r],
+                dur_ms, t, 0, sum(1 for q in core.waiting if q.held), dict(self.recv[r]), extra, pending))
         return stats
 
     def next_deadline(self) -> float | None:

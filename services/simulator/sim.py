@@ -164,7 +164,8 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
     pols = [spec.factory(dispatcher_id=(f"api-{a}" if n_disp > 1 else "scheduler"),
                          client_index=a, num_api_servers=N, client_mode=n_disp > 1,
                          ranks=ranks, block_size=cfg.engine.block_size) for a in range(n_disp)]
-    batching = hasattr(pols[0], "submit")
+    # as the services: the scheduler holds (submit/poll); api-servers place at once (choose)
+    batching = hasattr(pols[0], "submit") and (n_disp == 1 or not hasattr(pols[0], "choose"))
     agg = StepAggregator(ranks, grace_s=cfg.grace_ms / 1000.0, min_interval_s=snap_interval)
     filt = spec.publish_filter() if spec.publish_filter else None
     stats_lag = cfg.stats_ms / 1000.0 if view_delay else 0.0
@@ -251,7 +252,9 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
         elif kind == SNAP:
             for k, p in enumerate(pols):
                 p.on_snapshot(a)
-                if batching:
+                if batching:     # a fresher view may release held work (the scheduler polls too)
+                    for asg in p.poll(t):
+                        send(asg, t, lat_a2r if n_disp > 1 else lat_s2r)
                     arm_poll(k)
         elif kind == POLL:
             if poll_armed[a] == t:

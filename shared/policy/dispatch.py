@@ -49,13 +49,14 @@ from shared.stats import Snapshot
 class _RankView:
     """One rank as this dispatcher sees it: last snapshot values plus unseen dispatches."""
 
-    __slots__ = ("waiting", "running", "kv_usage", "outstanding", "sent", "unseen", "local")
+    __slots__ = ("waiting", "running", "kv_usage", "outstanding", "pending", "sent", "unseen", "local")
 
     def __init__(self) -> None:
         self.waiting = 0
         self.running = 0
         self.kv_usage = 0.0
         self.outstanding = 0
+        self.pending = 0                                        # prefill tokens not yet computed
         self.sent = 0                                           # last seq sent to this rank
         self.unseen: deque[tuple[int, float, float]] = deque()  # (seq, amount, time sent)
         self.local = 0.0                                        # sum of unseen amounts
@@ -128,6 +129,7 @@ class _LocalViewPolicy:
             if v is None:
                 v = self._views[r] = _RankView()
             v.waiting, v.running, v.outstanding = st.waiting, st.running, st.outstanding
+            v.pending = st.prefill_pending
             v.kv_usage = st.kv_usage
             q = v.unseen
             if not q:

@@ -12,6 +12,7 @@ POLICIES: dict[str, tuple[str, str]] = {
     "least_score": ("shared.policy.dispatch", "LeastScore"),
     "least_tokens": ("shared.policy.dispatch", "LeastTokens"),
     "staggered": ("shared.policy.staggered", "StaggeredBatcher"),
+    "waterfill": ("shared.policy.waterfill", "WaterFill"),
 }
 
 DEFAULT_POLICY = "least_score"

@@ -1,0 +1,114 @@
+"""``waterfill``: late-binding placement of prefill work (lockstep's default).
+
+Near and above capacity, what a DP+EP group computes is mostly prefill, and a step with
+prefill is balanced only when every rank has prefill to do in it. So a request is bound to
+a rank as late as possible: when some rank's pending prefill (prompt tokens queued or
+mid-prefill there, from the step-consistent snapshot, plus this dispatcher's sends the
+snapshot does not show yet) is below ``level_tokens``, the oldest held request goes to the
+rank with the least pending prefill (water-filling); while every rank is above the level,
+requests wait here, in arrival order, and each rank pulls more as it drains. With headroom
+nothing waits: every rank is below the level, so a request is placed at once, on the least
+loaded rank (TTFT first). The engines then cap each step at a budget most ranks can fill
+(``BudgetConfig.min_balance``, services/engine_worker/step_budget.py).
+
+Why ``level_tokens`` = 2 steps of prefill (2 x ``max_num_batched_tokens``): a rank must
+still have a full step's prefill queued when the next snapshot and dispatch land (one step
+plus two Redis hops later), or it idles through a step of prefill; more than that only
+moves the queue from here, where any rank can take it, to one rank's inbox.
+
+Bounds: a held request is released after ``max_hold_s`` whatever the view says (a stale or
+missing snapshot cannot strand it); the held queue is at most ``max_held`` (then
+:class:`BatcherFull`: the caller leaves the request on its stream). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from shared.policy.base import Assignment, RequestInfo
+from shared.policy.dispatch import _LocalViewPolicy, _RankView
+from shared.policy.staggered import BatcherFull
+from shared.stats import Snapshot
+
+
+class WaterFill(_LocalViewPolicy):
+    name = "waterfill"
+
+    def __init__(self, *, level_tokens: int = 4096, max_hold_s: float = 5.0, max_held: int = 65536,
+                 **kw: Any) -> None:
+        kw.pop("block_size", None)
+        super().__init__(**kw)
+        if level_tokens < 1 or max_hold_s < 0 or max_held < 1:
+            raise ValueError("level_tokens and max_held must be >= 1, max_hold_s >= 0")
+        self.level = float(level_tokens)
+        self.max_hold_s = max_hold_s
+        self.max_held = max_held
+        self._queue: deque[tuple[RequestInfo, float]] = deque()
+        self.released = 0
+        self.released_by_bound = 0
+        self.hold_s_total = 0.0
+
+    # ---------------------------------------------------------------- score
+    def _amount(self, req: RequestInfo) -> float:
+        return float(req.prompt_tokens)
+
+    def _score(self, v: _RankView) -> float:
+        return v.pending + v.local * self.scale
+
+    # ---------------------------------------------------------------- batching protocol
+    def submit(self, req: RequestInfo, now: float) -> list[Assignment]:
+        if len(self._queue) >= self.max_held:
+            raise BatcherFull(f"waterfill: {len(self._queue)} requests held (max_held)")
+        self._queue.append((req, now))
+        return self._drain(now)
+
+    def poll(self, now: float) -> list[Assignment]:
+        return self._drain(now)
+
+    def next_deadline(self) -> float | None:
+        return self._queue[0][1] + self.max_hold_s if self._queue else None
+
+    def on_snapshot(self, snap: Snapshot) -> None:
+        super().on_snapshot(snap)   # the caller polls after a snapshot: ranks may have drained
+
+    def drop(self, request_id: str) -> bool:
+        for k, (req, _) in enumerate(self._queue):
+            if req.id == request_id:
+                del self._queue[k]
+                return True
+        return False
+
+    @property
+    def held(self) -> int:
+        return len(self._queue)
+
+    def stats(self) -> dict[str, Any]:
+        return {"held": len(self._queue), "released": self.released,
+                "released_by_bound": self.released_by_bound,
+                "hold_ms_mean": self.hold_s_total / self.released * 1000.0 if self.released else None,
+                "level_tokens": self.level, **self.counters()}
+
+    # ---------------------------------------------------------------- placement
+    def _drain(self, now: float) -> list[Assignment]:
+        out: list[Assignment] = []
+        q = self._queue
+        n = len(self._ranks)
+        if n == 0:
+            return out
+        scores = self._scores
+        while q:
+            best = min(scores)
+            req, t0 = q[0]
+            bound = now - t0 >= self.max_hold_s
+            if best >= self.level and not bound:
+                break
+            q.popleft()
+            i = self._pick(n)
+            self._start = i + 1
+            self.decisions += 1
+            self.released += 1
+            self.released_by_bound += int(bound and best >= self.level)
+            self.hold_s_total += now - t0
+            out.append(self._record(req, self._ranks[i], i, now, "dispatch"))
+        return out

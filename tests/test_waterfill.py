@@ -1,0 +1,107 @@
+"""The default policy's pure parts: waterfill placement (late binding of prefill work), the
+coordinated prefill budget, and undoing an admission the budget held back."""
+
+import pytest
+
+from services.engine_worker.block_manager import BlockManager
+from services.engine_worker.scheduler import EngineScheduler
+from services.engine_worker.sequence import Sequence
+from services.engine_worker.step_budget import BudgetConfig, balanced_budget, trim_plan
+from shared.messages import SamplingParams
+from shared.policy.base import RequestInfo
+from shared.policy.registry import make_policy
+from shared.policy.staggered import BatcherFull
+from shared.stats import RankStats, Snapshot
+
+
+def _snap(pending, seq=1, recv=None):
+    ranks = {r: RankStats(r, 0, seq, prefill_pending=p, recv=dict(recv or {})) for r, p in enumerate(pending)}
+    return Snapshot(0, seq, 0.0, ranks, seq=seq)
+
+
+def _req(i, prompt=1000, t=0.0):
+    return RequestInfo(str(i), prompt, 4096, t)
+
+
+def test_places_at_once_with_headroom_on_the_least_pending_rank():
+    p = make_policy("waterfill", ranks=[0, 1, 2], level_tokens=4096)
+    p.on_snapshot(_snap([3000, 100, 2000]))
+    out = p.submit(_req(1), 0.0)
+    assert [a.rank for a in out] == [1]
+    out = p.submit(_req(2, prompt=500), 0.0)       # rank 1 now 1100 by its own send
+    assert [a.rank for a in out] == [1]
+    out = p.submit(_req(3, prompt=5000), 0.0)
+    assert [a.rank for a in out] == [1]             # 1600 is still the least
+    assert p.held == 0
+
+
+def test_holds_while_every_rank_is_above_the_level_and_releases_fcfs_as_ranks_drain():
+    p = make_policy("waterfill", ranks=[0, 1], level_tokens=4096, max_hold_s=10.0)
+    p.on_snapshot(_snap([5000, 6000]))
+    assert p.submit(_req(1), 0.0) == [] and p.submit(_req(2), 0.1) == []
+    assert p.held == 2
+    assert p.poll(0.2) == []                         # nothing drained yet
+    p.on_snapshot(_snap([5000, 1000], seq=2))
+    out = p.poll(0.3)
+    # rank 1 drained: it takes the oldest first, until it is above the level again
+    assert [(a.request_id, a.rank) for a in out] == [("1", 1), ("2", 1)]
+
+
+def test_a_held_request_is_released_by_the_bound_even_if_the_view_never_changes():
+    p = make_policy("waterfill", ranks=[0, 1], level_tokens=100, max_hold_s=2.0)
+    p.on_snapshot(_snap([5000, 6000]))
+    assert p.submit(_req(1), 0.0) == []
+    assert p.next_deadline() == pytest.approx(2.0)
+    assert p.poll(1.9) == []
+    out = p.poll(2.0)
+    assert [a.rank for a in out] == [0] and p.stats()["released_by_bound"] == 1
+
+
+def test_drop_and_bounded_queue():
+    p = make_policy("waterfill", ranks=[0], level_tokens=1, max_held=2)
+    p.on_snapshot(_snap([10]))
+    p.submit(_req(1), 0.0)
+    p.submit(_req(2), 0.0)
+    with pytest.raises(BatcherFull):
+        p.submit(_req(3), 0.0)
+    assert p.drop("1") and not p.drop("1")
+    assert p.held == 1
+
+
+def test_client_mode_places_immediately():
+    p = make_policy("waterfill", ranks=[0, 1], num_api_servers=4, client_mode=True)
+    p.on_snapshot(_snap([9000, 8000]))
+    assert p.choose(_req(1), 0.0).rank == 1
+
+
+def test_balanced_budget_takes_the_largest_level_most_ranks_can_fill():
+    # four ranks could each compute 2048; one can only 100: T = 2048 keeps 4*2048+100 / 5*2048 = 0.81
+    assert balanced_budget([10, 10, 10, 10, 10], [2048, 2048, 2048, 2048, 100], 0.8, 2048) == 2048
+    assert balanced_budget([10, 10, 10, 10, 10], [2048, 2048, 2048, 2048, 100], 0.9, 2048) == 100
+    # only one rank has prefill: no budget above the decodes keeps the step balanced
+    assert balanced_budget([50, 50, 50, 50], [2048, 50, 50, 50], 0.9, 2048) == 50
+    # nobody has prefill: the largest decode
+    assert balanced_budget([7, 3], [7, 3], 0.9, 2048) == 7
+
+
+def test_budget_config_rejects_bad_balance():
+    with pytest.raises(ValueError):
+        BudgetConfig(min_balance=1.0)
+
+
+def test_a_trimmed_away_admission_gives_its_kv_back():
+    core = EngineScheduler(BlockManager(64, 16), 256, 8, 1024)
+    a = Sequence("a", list(range(200)), SamplingParams(max_tokens=10))
+    b = Sequence("b", list(range(300)), SamplingParams(max_tokens=10))
+    core.add(a)
+    core.add(b)
+    plan = core.schedule()
+    assert [q.id for q in plan.admitted] == ["a", "b"] and core.bm.num_used_blocks == 13 + 19
+    trim_plan(plan, 200)                            # b's chunk is cut away entirely
+    assert plan.dropped == ["b"]
+    core.unadmit([q for q in plan.admitted if q.id in plan.dropped])
+    assert core.bm.num_used_blocks == 13            # b holds no KV while it waits
+    assert [q.id for q in core.waiting] == ["b"] and [q.id for q in core.running] == ["a"]
+    core.postprocess(plan, {"a": 5}, 0.0)
+    plan = core.schedule()                          # b is admitted again, from the front
+    assert [q.id for q in plan.admitted] == ["b"]
