@@ -1,0 +1,62 @@
+"""Bundled simulator profiles load; the blog calibration runs and reports every figure.
+
+The calibration's closeness to the blog is reported (docs/calibration.md), never asserted:
+a small trace is not the blog's 16,000 requests."""
+
+import json
+
+import pytest
+
+from services.simulator import calibrate, profile
+
+
+@pytest.mark.parametrize("name", profile.bundled())
+def test_every_bundled_profile_loads(name):
+    p = profile.load(name)
+    assert p.name == name
+    assert p.source
+    assert p.cost.step_ms(1, 0) > 0 and p.cost.idle_ms > 0
+    e = p.engine
+    assert e.max_num_batched_tokens >= e.max_num_seqs >= 1
+    assert e.num_kv_blocks * e.block_size >= e.max_model_len
+    assert p.to_dict()["name"] == name
+
+
+def test_calibrated_profiles_are_bundled():
+    assert {"default", "deepseek-v3-gb200", "small-cpu"} <= set(profile.bundled())
+    for name in ("deepseek-v3-gb200", "small-cpu"):
+        assert "fit" in profile.load(name).extra
+
+
+def test_unknown_field_is_an_error(tmp_path):
+    doc = json.loads((profile.PROFILE_DIR / "default.json").read_text())
+    doc["cost"]["warp_ms"] = 1.0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="unknown cost fields"):
+        profile.load(bad)
+    doc = json.loads((profile.PROFILE_DIR / "default.json").read_text())
+    doc["engine"]["max_batch"] = 4
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="unknown engine fields"):
+        profile.load(bad)
+    with pytest.raises(ValueError, match="unknown profile"):
+        profile.load("no-such-profile")
+
+
+def test_blog_calibration_reports_every_figure():
+    # a small copy: fewer slots so that requests still queue, outputs clipped to stay fast
+    doc = calibrate.run(requests=160, engine={"max_num_seqs": 4, "max_num_batched_tokens": 512,
+                                              "max_model_len": 2048})
+    assert set(doc["rows"]) == set(calibrate.BLOG_ROWS)
+    for key, row in doc["rows"].items():
+        assert row["policy"] == calibrate.BLOG_ROWS[key][0]
+        for k in ("blog_tok_s", "blog_speedup", "blog_balance", "throughput_tok_s", "speedup",
+                  "speedup_diff", "balance_blog", "balance_ratio", "balance_diff", "sol_tok_s"):
+            assert row[k] is not None, k
+        assert row["throughput_tok_s"] > 0
+        assert 0 < row["balance_blog"] <= 1 and 0 < row["balance_ratio"] <= 1
+        assert row["completed"] == 160
+    assert doc["rows"]["baseline"]["speedup"] == pytest.approx(1.0)
+    assert "round_robin" in doc["extra"]
+    assert "| full_strategy |" in calibrate.table(doc)
