@@ -95,7 +95,7 @@ class ApiServerSettings(Settings):
     request_timeout_s: float = field(default=600.0, metadata={"help": "Longest a request may wait for its tokens."})
     api_keys: list[str] = field(default_factory=list, metadata={"help": "Accepted API keys (comma list); empty = no auth."})
     dispatch: str = field(default="scheduler", metadata={"help": "'scheduler' or 'client' (the replica picks ranks itself)."})
-    policy: str = field(default="least_score", metadata={"help": "Dispatch policy in client-dispatch mode (round_robin, least_score, least_tokens; staggered needs dispatch 'scheduler': refused at start)."})
+    policy: str = field(default="waterfill", metadata={"help": "Dispatch policy in client-dispatch mode (waterfill, round_robin, least_score, least_tokens; staggered needs dispatch 'scheduler': refused at start). waterfill places at once here: holding needs the one scheduler."})
     num_api_servers: int = field(default=1, metadata={"help": "Replicas in the cluster (scales the local bump in client mode)."})
 
     def __post_init__(self) -> None:
@@ -106,7 +106,8 @@ class ApiServerSettings(Settings):
 
 @dataclass
 class SchedulerSettings(Settings):
-    policy: str = field(default="least_score", metadata={"help": "Dispatch policy (round_robin, least_score, least_tokens, staggered)."})
+    policy: str = field(default="waterfill", metadata={"help": "Dispatch policy (waterfill, round_robin, least_score, least_tokens, staggered); see lockstep up --help."})
+    level_tokens: int = field(default=4096, metadata={"help": "waterfill: a rank with less prefill pending than this gets the oldest held request (2 x the engines' max_num_batched_tokens)."})
     dispatch: str = field(default="scheduler", metadata={"help": "'scheduler' or 'client' (api-servers pick ranks; refused with policy staggered)."})
     num_api_servers: int = field(default=1, metadata={"help": "api-server replicas (for the local-view bump)."})
     ranks: int = field(default=4, metadata={"help": "DP ranks expected in the engine group."})
@@ -142,8 +143,10 @@ class EngineSettings(Settings):
     reform_timeout_s: float = field(default=60.0, metadata={"help": "A rank that cannot rejoin its engine group within this exits (code 4) to be replaced."})
     group_host: str = field(default="127.0.0.1", metadata={"help": "Address other ranks reach this one at (engine-group rendezvous)."})
     seed: int = field(default=0, metadata={"help": "Model weight seed (identical on every rank)."})
-    align_tokens: bool = field(default=False, metadata={"help": "Per-step token alignment: every rank caps its prefill at one shared budget (docs/benchmarks.md); applied when every rank has it."})
-    align_max_delay_ms: float = field(default=300.0, metadata={"help": "Token alignment: longest a prefill may be spread out after it reached its rank."})
+    align_tokens: bool = field(default=True, metadata={"help": "Coordinated prefill: every rank caps its prefill at one shared budget per step (docs/benchmarks.md); applied when every rank has it."})
+    align_min_balance: float = field(default=0.9, metadata={"help": "Coordinated prefill under a backlog: the largest budget that keeps a step at least this balanced (0 = the older water-level rule, docs/benchmarks.md)."})
+    align_max_hold_steps: int = field(default=32, metadata={"help": "Coordinated prefill: a rank whose prefill was held back this many steps in a row runs it (no starvation)."})
+    align_max_delay_ms: float = field(default=3000.0, metadata={"help": "Coordinated prefill: the longest a prefill waits for a balanced step, scaled by the prefill pending on the other ranks (in full steps, capped at 1): with none pending it starts at once."})
     gate_timeout_ms: float = field(default=100.0, metadata={"help": "Staggered batches: rank 0 releases a batch whose shares did not all arrive within this."})
     metrics_port: int = field(default=0, metadata={"help": "Serve Prometheus metrics (lockstep_engine_*) on this port (a spare: this port + the rank it takes); 0 = off."})
 

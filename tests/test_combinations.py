@@ -57,7 +57,7 @@ async def test_every_up_combination_is_served_or_refused(redis_url, namespace):
                 itertools.product(policy_names(), DISPATCH, ALIGN, SCHEDULERS, BACKENDS)):
             combo = (policy, dispatch, align, schedulers, backend)
             opts = UpOptions(ranks=2, api_servers=2, policy=policy, dispatch=dispatch, schedulers=schedulers,
-                             backend=backend, extra_env={"LOCKSTEP_ALIGN_TOKENS": "1"} if align else {})
+                             backend=backend, extra_env={"LOCKSTEP_ALIGN_TOKENS": "1" if align else "0"})
             try:
                 sched, api, engine = check_options(opts)
             except ValueError as exc:

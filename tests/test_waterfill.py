@@ -105,3 +105,48 @@ def test_a_trimmed_away_admission_gives_its_kv_back():
     core.postprocess(plan, {"a": 5}, 0.0)
     plan = core.schedule()                          # b is admitted again, from the front
     assert [q.id for q in plan.admitted] == ["b"]
+
+
+def _rank(r, prompts, cfg):
+    from services.engine_worker.batch_gate import BatchGate
+    from services.engine_worker.rank_step import RankStep
+    core = EngineScheduler(BlockManager(4096, 16), 2048, 128, 8192)
+    rs = RankStep(r, core, BatchGate(rank=r), cfg)
+    for k, n in enumerate(prompts):
+        q = Sequence(f"{r}-{k}", list(range(n)), SamplingParams(max_tokens=16))
+        core.add(q)
+        rs.arrived(q, 0.0)
+    return rs
+
+
+def _step(ranks, now):
+    from services.engine_worker.rank_step import group_view
+    plans, rows = zip(*(rs.plan(now) for rs in ranks))
+    view = group_view(list(rows))
+    for rs, p in zip(ranks, plans):
+        rs.decide(p, view, now)
+    return [p.num_tokens for p in plans]
+
+
+COORD = BudgetConfig(max_tokens=2048, min_balance=0.9, max_hold_steps=3, max_delay_ms=3000.0, step_ms=0.0)
+
+
+def test_coordinated_prefill_runs_at_once_when_no_other_rank_has_prefill_pending():
+    ranks = [_rank(0, [1500], COORD), _rank(1, [], COORD)]
+    assert _step(ranks, 0.0) == [1500, 0]
+
+
+def test_coordinated_prefill_under_a_backlog_runs_balanced_steps():
+    # both ranks have lots pending; rank 1's plan is small this step (one short prompt first)
+    ranks = [_rank(0, [2048] * 4, COORD), _rank(1, [2048] * 4, COORD)]
+    assert _step(ranks, 0.0) == [2048, 2048]          # both can fill the budget: full steps
+
+
+def test_a_held_prefill_runs_after_max_hold_steps():
+    # rank 1 has prefill pending elsewhere-blocked work so rank 0's big chunk is held...
+    ranks = [_rank(0, [2048] * 3, COORD), _rank(1, [16] + [2048] * 3, COORD)]
+    ranks[1].core.max_num_seqs = 1                    # rank 1 can only run its short one
+    got = [_step(ranks, 0.01 * k) for k in range(6)]
+    # held while rank 1 can only add a few tokens, then forced after max_hold_steps
+    assert got[0][0] < 2048
+    assert any(g[0] == 2048 for g in got[1:5])

@@ -11,7 +11,7 @@ import orjson
 import typer
 
 from services.admin import local_state
-from shared.policy.registry import DEFAULT_POLICY, policy_names
+from shared.policy.registry import DEFAULT_POLICY, PURPOSE, policy_names
 
 app = typer.Typer(
     name="lockstep", no_args_is_help=True, add_completion=False, rich_markup_mode="rich",
@@ -35,7 +35,8 @@ def up(
     port: int = typer.Option(8000, "--port", help="HTTP port of the OpenAI-compatible API."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     backend: str = typer.Option("torch", "--backend", help="torch (a real MoE on CPU/GPU) or sim (device cost model)."),
-    policy: str = typer.Option(DEFAULT_POLICY, "--policy", help=f"Dispatch policy: {', '.join(policy_names())}."),
+    policy: str = typer.Option(DEFAULT_POLICY, "--policy", help="Dispatch policy. " + "; ".join(
+        f"{n}: {PURPOSE.get(n, '')}" for n in policy_names()) + "."),
     dispatch: str = typer.Option("scheduler", "--dispatch", help="scheduler (one decision maker) or client (api-servers pick)."),
     namespace: str = NS_OPT,
     redis_url: Optional[str] = typer.Option(None, "--redis-url", envvar="LOCKSTEP_REDIS_URL",
@@ -45,9 +46,9 @@ def up(
     max_wait_ms: Optional[float] = typer.Option(None, "--max-wait-ms", min=0.0,
                                                 help="staggered: longest a request is held before its batch goes out "
                                                      "(LOCKSTEP_MAX_WAIT_MS; default: learned, about two steps)."),
-    align_tokens: bool = typer.Option(False, "--align-tokens",
-                                      help="Per-step token alignment across ranks (caps each rank's prefill "
-                                           "at one shared budget; see docs/benchmarks.md)."),
+    align_tokens: bool = typer.Option(True, "--align-tokens/--no-align-tokens",
+                                      help="Coordinated prefill across ranks (each step's prefill capped at one "
+                                           "shared budget most ranks can fill; see docs/benchmarks.md)."),
     schedulers: int = typer.Option(1, "--schedulers", min=1,
                                    help="Scheduler processes: one leads, the others stand by and take over."),
     spares: int = typer.Option(1, "--spares", min=0,
@@ -72,7 +73,7 @@ def up(
                      dispatch=dispatch, namespace=namespace, redis_url=redis_url, persist_dir=persist,
                      time_scale=time_scale, log_level=log_level, schedulers=schedulers, spares=spares,
                      extra_env={**({"LOCKSTEP_MAX_WAIT_MS": f"{max_wait_ms:g}"} if max_wait_ms is not None else {}),
-                                **({"LOCKSTEP_ALIGN_TOKENS": "1"} if align_tokens else {})})
+                                "LOCKSTEP_ALIGN_TOKENS": "1" if align_tokens else "0"})
     try:
         check_options(opts)
     except ValueError as exc:

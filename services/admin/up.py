@@ -34,7 +34,7 @@ class UpOptions:
     port: int = 8000
     host: str = "127.0.0.1"
     backend: str = "torch"
-    policy: str = "least_score"
+    policy: str = "waterfill"
     dispatch: str = "scheduler"
     namespace: str = "ls"
     redis_url: str | None = None

@@ -29,8 +29,9 @@ F_STOP = 6           # rank is shutting down: the group must stop together
 F_DECODE = 7         # token alignment: decode tokens among F_TOKENS (never held back)
 F_MUST = 8           # token alignment: tokens this rank's prefill deadlines need this step
 F_ALIGN = 9          # token alignment enabled here (applied only when every rank has it)
-F_QUEUED = 10        # token alignment: requests left waiting after this step's plan (a backlog)
-FIELDS = 11
+F_QUEUED = 10        # token alignment: prefill tokens pending on this rank (the group's backlog)
+F_FORCED = 11        # token alignment: this rank's prefill was held max_hold_steps in a row: it runs
+FIELDS = 12
 
 
 class GroupBroken(RuntimeError):

@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from services.engine_worker.batch_gate import BatchGate, batch_number
-from services.engine_worker.lockstep import (F_ALIGN, F_DECODE, F_GATE, F_GATE_HELD, F_MUST, F_QUEUED, F_RELEASE,
-                                             F_TOKENS, Action, StepView)
+from services.engine_worker.lockstep import (F_ALIGN, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST, F_QUEUED,
+                                             F_RELEASE, F_TOKENS, Action, StepView)
 from services.engine_worker.scheduler import EngineScheduler, StepPlan
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, must_tokens,
@@ -38,6 +38,7 @@ class RankStep:
         self.blocked_s = float("-inf")            # last plan that could admit nothing (no slot / KV)
         self.last_step_ms = 0.0                   # measured duration of the last step (deadline planning)
         self.held_steps = 0                       # consecutive steps the budget held this rank's prefill back
+        self.backlog = 0.0                        # the group's pending prefill, in full steps (last view)
 
     def note_step(self, dur_ms: float) -> None:
         """The step that just ran took ``dur_ms`` (deadlines plan with it)."""
@@ -67,8 +68,9 @@ class RankStep:
         must = queued = 0
         if self.budget is not None:
             must, queued = self.prefill_need(plan, now_s)
+        forced = int(self.budget is not None and 0 < self.budget.max_hold_steps <= self.held_steps)
         row = [int(core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
-               release, int(stopping), plan.decode_tokens, must, int(self.budget is not None), queued]
+               release, int(stopping), plan.decode_tokens, must, int(self.budget is not None), queued, forced]
         return plan, row
 
     def prefill_need(self, plan: StepPlan, now_s: float) -> tuple[int, int]:
@@ -87,9 +89,10 @@ class RankStep:
                         break
         queued = sum(p for _, p in pending)
         cfg = self.budget
-        if cfg.max_hold_steps and self.held_steps >= cfg.max_hold_steps:
-            return plan.num_tokens, queued       # held long enough: everything it planned
-        return must_tokens(plan.decode_tokens, pending, now_ms, self.last_step_ms, cfg), queued
+        # a prefill may wait for a balanced step in proportion to the prefill pending on the
+        # other ranks: with nothing pending elsewhere it starts at once (TTFT first)
+        delay = cfg.max_delay_ms * min(1.0, self.backlog / cfg.backlog_steps) if cfg.min_balance > 0 else None
+        return must_tokens(plan.decode_tokens, pending, now_ms, self.last_step_ms, cfg, delay), queued
 
     def decide(self, plan: StepPlan, view: StepView, now_s: float) -> tuple[Action, int]:
         """Apply the group's rows: token alignment (trims ``plan``), the batch gate's
@@ -98,6 +101,10 @@ class RankStep:
             T = view.memo.get("budget")
             if T is None:   # the same on every rank: computed once per view
                 T = view.memo["budget"] = self._budget(view)
+            # the prefill pending on the OTHER ranks, in full steps: what a held prefill could
+            # share a balanced step with (waiting for nobody is futile)
+            q = view.column(F_QUEUED)
+            self.backlog = (sum(q) - q[self.rank]) / (len(q) * self.budget.max_tokens)
             planned = plan.num_tokens
             trim_plan(plan, allowed(plan.decode_tokens, plan.num_tokens, T))
             self.held_steps = self.held_steps + 1 if plan.num_tokens < planned else 0
@@ -118,13 +125,15 @@ class RankStep:
         cfg = self.budget
         decode, tokens, must = view.column(F_DECODE), view.column(F_TOKENS), view.column(F_MUST)
         if cfg.min_balance > 0:
-            backlog = sum(view.column(F_QUEUED)) / (len(decode) * cfg.max_tokens)
-            if backlog >= cfg.backlog_steps:     # throughput first: balanced steps, deadlines bound holds
-                T = balanced_budget(decode, tokens, cfg.min_balance, cfg.max_tokens)
+            # the largest budget most ranks can fill; a rank held max_hold_steps in a row runs
+            T = balanced_budget(decode, tokens, cfg.min_balance, cfg.max_tokens)
+            for t, f in zip(tokens, view.column(F_FORCED)):
+                if f:
+                    T = max(T, int(t))
+            backlog = view.memo["backlog"] = sum(view.column(F_QUEUED)) / (len(decode) * cfg.max_tokens)
+            if backlog < cfg.backlog_steps:      # headroom: TTFT first, prefill deadlines hold
                 for t, m in zip(tokens, must):
                     T = max(T, min(int(t), int(m)))
-            else:                               # headroom: TTFT first, every rank runs its plan
-                T = cfg.max_tokens
         else:
             T = shared_budget(decode, tokens, must, cfg)
         view.set_column(F_TOKENS, allowed_all(decode, tokens, T))

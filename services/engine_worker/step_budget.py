@@ -150,7 +150,7 @@ def balanced_budget(decode: Sequence[int], tokens: Sequence[int], min_balance: f
 
 
 def must_tokens(decode: int, pending: Iterable[tuple[float, int]], now_ms: float, step_ms: float,
-                cfg: BudgetConfig = BudgetConfig()) -> int:
+                cfg: BudgetConfig = BudgetConfig(), max_delay_ms: float | None = None) -> int:
     """Tokens rank-local deadlines require this step: ``decode`` plus the prefill rate that
     finishes every pending prefill within ``max_delay_ms`` of when it became schedulable
     here, if later steps last about ``step_ms`` and run at the same rate (as late as
@@ -166,13 +166,14 @@ def must_tokens(decode: int, pending: Iterable[tuple[float, int]], now_ms: float
     Reads at most ``max_tokens`` tokens' worth of ``pending`` (bounded work)."""
     B = cfg.max_tokens
     step = max(float(cfg.step_ms if cfg.step_ms > 0 else step_ms), 1.0)
+    delay = cfg.max_delay_ms if max_delay_ms is None else max_delay_ms
     need = 0
     cum = 0
     for since, rem in pending:
         if rem <= 0:
             continue
         cum += int(rem)
-        left = (since + cfg.max_delay_ms - now_ms) / step
+        left = (since + delay - now_ms) / step
         k = max(1, int(left))
         r = -(-cum // k)
         if r > need:

@@ -67,7 +67,9 @@ class EngineWorker(GroupMembership):
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len)
         self.gate = BatchGate(rank=max(0, settings.rank), timeout_s=settings.gate_timeout_ms / 1000)
-        budget = (BudgetConfig(max_tokens=settings.max_num_batched_tokens, max_delay_ms=settings.align_max_delay_ms)
+        budget = (BudgetConfig(max_tokens=settings.max_num_batched_tokens, max_delay_ms=settings.align_max_delay_ms,
+                               min_balance=settings.align_min_balance, max_hold_steps=settings.align_max_hold_steps,
+                               step_ms=0.0)
                   if settings.align_tokens else None)
         # the step decisions (schedule, row, alignment, batch gate): the simulator runs the same object
         self.rs = RankStep(max(0, settings.rank), self.core, self.gate, budget)

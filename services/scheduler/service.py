@@ -70,8 +70,10 @@ class SchedulerService:
 
     def _make_policy(self) -> Any:
         s = self.s
+        extra = ({"max_wait_ms": s.max_wait_ms} if s.policy == "staggered" else
+                 {"level_tokens": s.level_tokens} if s.policy == "waterfill" else {})
         return make_policy(s.policy, dispatcher_id=self.dispatcher_id, num_api_servers=s.num_api_servers,
-                           ranks=self.ranks, **({"max_wait_ms": s.max_wait_ms} if s.policy == "staggered" else {}))
+                           ranks=self.ranks, **extra)
 
     async def run(self) -> int:
         r = await open_service_connection(self.s.redis_url, self.log, self.stop)

@@ -402,10 +402,12 @@ class PolicySpec:
 
 def _lockstep(name: str, **extra: Any) -> Factory:
     def make(*, dispatcher_id: str, client_index: int, num_api_servers: int, client_mode: bool,
-             ranks: list[int], block_size: int, **params: Any) -> Any:
+             ranks: list[int], block_size: int, step_tokens: int = 2048, **params: Any) -> Any:
         kw = {**extra, **params}
-        if name in ("staggered", "waterfill"):
+        if name == "staggered":
             kw.setdefault("block_size", block_size)
+        if name == "waterfill":   # two steps of prefill (SchedulerSettings.level_tokens for 2048-token steps)
+            kw.setdefault("level_tokens", 2 * step_tokens)
         return make_policy(name, dispatcher_id=dispatcher_id, num_api_servers=num_api_servers,
                            client_mode=client_mode, ranks=list(ranks), **kw)
     return make
@@ -413,7 +415,7 @@ def _lockstep(name: str, **extra: Any) -> Factory:
 
 def _cls(cls: type, **extra: Any) -> Factory:
     def make(*, dispatcher_id: str, client_index: int, num_api_servers: int, client_mode: bool,
-             ranks: list[int], block_size: int, **params: Any) -> Any:
+             ranks: list[int], block_size: int, step_tokens: int = 2048, **params: Any) -> Any:
         kw = {**extra, **params}
         if cls in (VllmDPLB, VllmDPLBLegacy):
             kw["client_index"] = client_index
@@ -490,11 +492,8 @@ def policy_specs(lockstep_gate_timeout_s: float = 0.1) -> dict[str, PolicySpec]:
                    gate=("batch", lockstep_gate_timeout_s), step_budget={},
                    source="lockstep StaggeredBatcher + engine gate + per-step token budget"),
         PolicySpec("waterfill", _lockstep("waterfill"), lockstep=True,
-                   step_budget={"min_balance": 0.8, "step_ms": 0.0, "max_delay_ms": 2000.0},
+                   step_budget={"min_balance": 0.9, "max_hold_steps": 32, "step_ms": 0.0, "max_delay_ms": 3000.0},
                    source="lockstep WaterFill (late-binding prefill placement) + coordinated prefill budget"),
-        PolicySpec("coordinated", _lockstep("least_tokens"), lockstep=True,
-                   step_budget={"min_balance": 0.8, "step_ms": 0.0},
-                   source="lockstep LeastTokens + coordinated prefill budget (experimental)"),
         _default_spec(),
     ]
     return {s.name: s for s in specs}
@@ -506,9 +505,10 @@ def _default_spec() -> PolicySpec:
     from shared.settings import EngineSettings, SchedulerSettings
     pol = SchedulerSettings.__dataclass_fields__["policy"].default
     eng = {k: f.default for k, f in EngineSettings.__dataclass_fields__.items()}
-    budget = {"max_delay_ms": eng["align_max_delay_ms"]} if eng["align_tokens"] else None
+    budget = ({"max_delay_ms": eng["align_max_delay_ms"], "min_balance": eng["align_min_balance"],
+               "max_hold_steps": eng["align_max_hold_steps"], "step_ms": 0.0} if eng["align_tokens"] else None)
     gate = ("batch", eng["gate_timeout_ms"] / 1000.0) if pol == "staggered" else ()
-    what = f"{pol} placement" + (" + per-step token alignment" if budget is not None else "")
+    what = f"{pol} placement" + (" + coordinated prefill in the engines" if budget is not None else "")
     return PolicySpec("default", _lockstep(pol), lockstep=True, gate=gate, step_budget=budget,
                       source=f"what `lockstep up` runs with no flags: {what} (shared/settings.py defaults)")
 

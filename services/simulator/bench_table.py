@@ -1,89 +1,146 @@
-"""Regenerate docs/benchmarks.md (``scripts/bench-table``): the simulator on the reference
-configurations, the table, the goals check and what the runs show."""
+"""Regenerate docs/benchmarks.md (``scripts/bench-table``): load sweeps of every workload
+in each system's own deployment, the same in both uniform deployments, the goals check,
+and one PNG per workload (docs/img/sweep-WORKLOAD.png).
+
+``scripts/bench-table --quick`` runs a small version (for a look, not for the page)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from services.simulator import report, runner
-from services.simulator.baselines import policy_specs
+from services.simulator import sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "docs" / "benchmarks.md"
-# (title, kwargs): 32 ranks x 8 api-servers, bursty on/off traffic
-CONFIGS: list[tuple[str, dict[str, Any]]] = [
-    ("high load: 5 requests/s per rank (bursts at 15/s per rank)",
-     dict(ranks=32, api_servers=8, workload="bursty", requests=20000, rate=160.0, seed=1)),
-    ("moderate load: 3 requests/s per rank (the default rate)",
-     dict(ranks=32, api_servers=8, workload="bursty", requests=20000, rate=96.0, seed=1)),
-]
-GOALS = {"balance_ratio": (">=", 0.95), "idle_forward_fraction": ("<=", 0.02),
-         "efficiency_vs_ideal": (">=", 0.97)}
+IMG = ROOT / "docs" / "img"
+WORKLOADS = ("poisson", "bursty", "ramp", "offline")
+LOADS = (0.3, 0.5, 0.8, 1.0, 1.2, 1.5)
+CHECK_LOADS = (0.5, 1.0, 1.5)
+POLICIES = ("default,least_score,vllm,sglang_total_requests,sglang_total_tokens,sglang_prefill_delayer,"
+            "trtllm_adp_placement_only,trtllm_adp_ctx_wait,trtllm_adp_balance,fastdeploy_staggered_pr")
+NOT_GOALS = {"fastdeploy_staggered_pr"}     # a reconstruction of unmerged work: reported, never a goal
+RANKS, API_SERVERS, REQUESTS, SEED = 16, 4, 3000, 1
 
 
-def cmd(kw: dict[str, Any]) -> str:
-    return (f"lockstep simulate --ranks {kw['ranks']} --api-servers {kw['api_servers']} "
-            f"--workload {kw['workload']} --requests {kw['requests']} --rate {kw['rate']:g} "
-            f"--seed {kw['seed']} --policies all")
+def _run(args: tuple[str, str | None, tuple[float, ...], int, int, int]) -> dict[str, Any]:
+    workload, dispatch, loads, ranks, api, requests = args
+    return sweep.load_sweep(list(loads), ranks=ranks, api_servers=api, workload=workload,
+                            requests=requests, seed=SEED, policies=POLICIES, dispatch=dispatch)
 
 
-def goals(doc: dict[str, Any]) -> list[str]:
-    own = {n for n, s in policy_specs().items() if s.lockstep and n != "round_robin"}
-    best = report.best_policies(doc, own)
-    lk, bl = best["lockstep"], best["baseline"]
-    p = doc["policies"]
-    base_ttft = min((v["ttft_p99_ms"] for n, v in p.items()
-                     if n not in own and n != "round_robin" and v["ttft_p99_ms"] is not None), default=None)
-    lines = [f"Best lockstep policy (by efficiency): **{lk}**; best baseline: **{bl}**.", ""]
-    # a measure without data (None) is "no data", neither met nor a perfect figure
-    for k, (op, goal) in GOALS.items():
-        v = p[lk][k] if lk is not None else None
-        if v is None:
-            lines.append(f"- {k}: no data (goal {op} {goal}) — NOT met")
-            continue
-        ok = v >= goal if op == ">=" else v <= goal
-        lines.append(f"- {k}: {v:.3f} (goal {op} {goal}) — {'met' if ok else 'NOT met'}")
-    v = p[lk]["ttft_p99_ms"] if lk is not None else None
-    if v is None or base_ttft is None:
-        lines.append(f"- TTFT p99: {'no data' if v is None else f'{v:.0f} ms'} vs best baseline "
-                     f"{'no data' if base_ttft is None else f'{base_ttft:.0f} ms'} — NOT met")
-    else:
-        lines.append(f"- TTFT p99: {v:.0f} ms vs best baseline {base_ttft:.0f} ms — "
-                     f"{'met' if v <= base_ttft else 'NOT met'}")
-    return lines
+def cmd(doc: dict[str, Any]) -> str:
+    c = doc["config"]
+    loads = ",".join(f"{p['load']:g}" for p in doc["points"])
+    d = "" if c["dispatch"] == "each system's own" else f" --dispatch {c['dispatch']}"
+    return (f"lockstep simulate --ranks {c['ranks']} --api-servers {c['api_servers']} --workload {c['workload']} "
+            f"--requests {c['requests']} --seed {c['seed']} --sweep {loads}{d} --policies {POLICIES}")
 
 
-def main() -> None:
+def _cell(m: dict[str, Any]) -> str:
+    eff, tt, itl = m.get("efficiency_vs_ideal"), m.get("ttft_p99_ms"), m.get("itl_p99_ms")
+    if eff is None or tt is None:
+        return "-"
+    return f"{eff:.2f} / {tt / 1000:.2f} s / {itl:.0f}" if itl is not None else f"{eff:.2f} / {tt / 1000:.2f} s"
+
+
+def sweep_markdown(doc: dict[str, Any]) -> str:
+    loads = [p["load"] for p in doc["points"]]
+    head = "| policy | " + " | ".join(f"load {x:g}" for x in loads) + " |"
+    rows = [head, "|---|" + "|".join("---:" for _ in loads) + "|"]
+    for name in doc["policies"]:
+        label = f"**{name}**" if name == doc.get("default") else name
+        rows.append(f"| {label} | " + " | ".join(_cell(p["policies"][name]) for p in doc["points"]) + " |")
+    return "\n".join(rows)
+
+
+def goal_lines(doc: dict[str, Any]) -> list[str]:
+    """Issue #13's criteria on one sweep, each stated met or NOT met (never asserted)."""
+    d = doc.get("default")
+    out = []
+    for p in doc["points"]:
+        pol = p["policies"]
+        me = pol[d]
+        peers = {n: v for n, v in pol.items() if n != d and n not in NOT_GOALS and n not in ("least_score",)}
+        best_tp = max(peers.items(), key=lambda kv: kv[1]["throughput_tok_s"] or 0)
+        best_tt = min(peers.items(), key=lambda kv: kv[1]["ttft_p99_ms"] if kv[1]["ttft_p99_ms"] is not None else 1e18)
+        best_itl = min(peers.items(), key=lambda kv: kv[1]["itl_p99_ms"] if kv[1]["itl_p99_ms"] is not None else 1e18)
+        ok_tp = (me["throughput_tok_s"] or 0) >= (best_tp[1]["throughput_tok_s"] or 0)
+        parts = [f"throughput {me['throughput_tok_s']:,.0f} vs best peer {best_tp[0]} "
+                 f"{best_tp[1]['throughput_tok_s']:,.0f} tok/s — {'met' if ok_tp else 'NOT met'}"]
+        if p["load"] >= 1.0:
+            eff = me["efficiency_vs_ideal"] or 0
+            parts.append(f"efficiency {eff:.3f} (goal >= 0.95) — {'met' if eff >= 0.95 else 'NOT met'}")
+        if p["load"] <= 0.8:
+            ok = (me["ttft_p99_ms"] or 1e18) <= (best_tt[1]["ttft_p99_ms"] or 1e18)
+            parts.append(f"TTFT p99 {me['ttft_p99_ms'] / 1000:.2f} s vs best {best_tt[0]} "
+                         f"{best_tt[1]['ttft_p99_ms'] / 1000:.2f} s — {'met' if ok else 'NOT met'}")
+        ok_itl = (me["itl_p99_ms"] or 1e18) <= (best_itl[1]["itl_p99_ms"] or 1e18)
+        parts.append(f"ITL p99 {me['itl_p99_ms']:.0f} vs {best_itl[1]['itl_p99_ms']:.0f} ms — {'met' if ok_itl else 'NOT met'}")
+        out.append(f"- load {p['load']:g}: " + "; ".join(parts))
+    return out
+
+
+def check_markdown(docs: dict[str, dict[str, Any]]) -> str:
+    """Default vs the best peer (by throughput) in both uniform deployments."""
+    rows = ["| workload | deployment | load | default eff / TTFT p99 | best peer (eff / TTFT p99) |",
+            "|---|---|---:|---:|---|"]
+    for (workload, disp), doc in docs.items():
+        d = doc["default"]
+        for p in doc["points"]:
+            pol = p["policies"]
+            peers = {n: v for n, v in pol.items() if n != d and n not in NOT_GOALS}
+            bn, bv = max(peers.items(), key=lambda kv: kv[1]["throughput_tok_s"] or 0)
+            rows.append(f"| {workload} | {disp} | {p['load']:g} | {_cell(pol[d])} | {bn}: {_cell(bv)} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="a small run printed to stdout, the page untouched")
+    ap.add_argument("--jobs", type=int, default=2)
+    a = ap.parse_args(argv)
+    ranks, api, req = (8, 2, 600) if a.quick else (RANKS, API_SERVERS, REQUESTS)
+    loads = (0.5, 1.0, 1.5) if a.quick else LOADS
+    jobs = [(w, None, loads, ranks, api, req) for w in WORKLOADS]
+    jobs += [(w, d, CHECK_LOADS, ranks, api, req) for w in WORKLOADS for d in ("scheduler", "client")]
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as ex:
+        results = list(ex.map(_run, jobs))
+    wall = time.perf_counter() - t0
+    own = {j[0]: r for j, r in zip(jobs, results) if j[1] is None}
+    both = {(j[0], j[1]): r for j, r in zip(jobs, results) if j[1] is not None}
+    if a.quick:
+        for w, doc in own.items():
+            print(f"## {w}\n{sweep_markdown(doc)}\n" + "\n".join(goal_lines(doc)) + "\n")
+        print(check_markdown(both))
+        return
+    from services.simulator.plot import plot_sweep
+    IMG.mkdir(parents=True, exist_ok=True)
     sections = []
-    wall = {}
-    for title, kw in CONFIGS:
-        t0 = time.perf_counter()
-        doc, _ = runner.run(**kw, policies="all")
-        wall[title] = time.perf_counter() - t0
-        st = doc["policies"]["staggered"]["counters"].get("policy", {})
-        extra = ""
-        if st.get("batches_released"):
-            extra = (f"\nstaggered: {st['batches_released']} batches, "
-                     f"{st['requests_released'] / st['batches_released']:.1f} requests per batch on average "
-                     f"for {kw['ranks']} ranks (released: {st.get('batches_by_reason')}), "
-                     f"mean hold {st.get('hold_ms_mean', 0):.0f} ms; "
-                     f"trtllm_adp_balance held prefills in "
-                     f"{doc['policies']['trtllm_adp_balance']['counters'].get('gate_held_steps', 0)} of "
-                     f"{doc['policies']['trtllm_adp_balance']['steps']} steps.\n")
+    for w, doc in own.items():
+        plot_sweep(doc, IMG / f"sweep-{w}.png")
+        cap = doc["capacity"]["requests_per_s"]
         sections.append(
-            f"## {title}\n\n`{cmd(kw)}`\n\n" + report.markdown_table(doc) +
-            f"\n\nideal (perfectly balanced steps): {doc['ideal']['throughput_tok_s']:,.0f} tok/s; "
-            f"trace: {doc['config']['trace']['duration_s']:.0f} s, mean prompt "
-            f"{doc['config']['trace']['prompt_tokens_mean']:.0f} / output "
-            f"{doc['config']['trace']['output_tokens_mean']:.0f} tokens.\n{extra}\n" + "\n".join(goals(doc)) + "\n")
+            f"### {w}\n\n`{cmd(doc)}`\n\ncapacity {cap:.1f} requests/s; each cell: efficiency vs ideal / "
+            f"TTFT p99 / ITL p99 ms.\n\n" + sweep_markdown(doc) +
+            f"\n\n![{w} sweep](img/sweep-{w}.png)\n\nThe default against the peers (goals of issue #13):\n\n" +
+            "\n".join(goal_lines(doc)) + "\n")
+    (ROOT / "docs" / "benchmarks.json").write_text(json.dumps({"own": own, "uniform": {f"{k[0]}:{k[1]}": v for k, v in both.items()}}))
     head = (ROOT / "services" / "simulator" / "benchmarks_head.md").read_text()
     tail = (ROOT / "services" / "simulator" / "benchmarks_tail.md").read_text()
-    OUT.parent.mkdir(exist_ok=True)
-    OUT.write_text(head + "\n" + "\n".join(sections) + "\n" + tail)
-    print(f"wrote {OUT} ({', '.join(f'{w:.0f}s' for w in wall.values())})", file=sys.stderr)
+    OUT.write_text(head + "\n## Load sweeps, each system in its own deployment\n\n" + "\n".join(sections) +
+                   "\n## The same in both uniform deployments\n\nEvery system as one dispatcher with a fresh "
+                   "view (`--dispatch scheduler`), then as every api-server deciding from a 100 ms view "
+                   "(`--dispatch client`; lockstep's api-servers place at once in that mode). Commands: the "
+                   "sweep commands above with `--sweep 0.5,1,1.5 --dispatch scheduler|client`.\n\n" +
+                   check_markdown(both) + "\n\n" + tail + f"\n\n_Generated in {wall / 60:.0f} min on 2 cores._\n")
+    print(f"wrote {OUT} ({wall:.0f} s)", file=sys.stderr)
 
 
 if __name__ == "__main__":

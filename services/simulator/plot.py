@@ -85,3 +85,34 @@ def plot_results(results: list[RunResult], doc: dict[str, Any], path: str | Path
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def plot_sweep(doc: dict[str, Any], path: str | Path) -> None:
+    """A load sweep: throughput (efficiency vs ideal) and TTFT p99 against load, one line
+    per policy; the default drawn thick."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = [p["load"] for p in doc["points"]]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in doc["policies"]:
+        eff = [p["policies"][name].get("efficiency_vs_ideal") for p in doc["points"]]
+        ttft = [p["policies"][name].get("ttft_p99_ms") for p in doc["points"]]
+        kw = {"lw": 3.0, "color": "black"} if name == doc.get("default") else {"lw": 1.2}
+        a1.plot(loads, [float("nan") if v is None else v for v in eff], marker="o", label=name, **kw)
+        a2.plot(loads, [float("nan") if v is None else v / 1000.0 for v in ttft], marker="o", label=name, **kw)
+    c = doc["config"]
+    a1.set_title(f"{c['workload']}: throughput / ideal (capacity {doc['capacity']['requests_per_s']:.0f} req/s)", fontsize=9)
+    a1.set_xlabel("load (x capacity)")
+    a1.set_ylabel("efficiency vs ideal")
+    a1.grid(alpha=0.3)
+    a2.set_title(f"TTFT p99 ({c['ranks']} ranks, {c['api_servers']} api-servers, {c['dispatch']})", fontsize=9)
+    a2.set_xlabel("load (x capacity)")
+    a2.set_ylabel("seconds (log)")
+    a2.set_yscale("log")
+    a2.grid(alpha=0.3, which="both")
+    a2.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -163,7 +163,8 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
     n_disp = N if client_mode and not late else 1
     pols = [spec.factory(dispatcher_id=(f"api-{a}" if n_disp > 1 else "scheduler"),
                          client_index=a, num_api_servers=N, client_mode=n_disp > 1,
-                         ranks=ranks, block_size=cfg.engine.block_size) for a in range(n_disp)]
+                         ranks=ranks, block_size=cfg.engine.block_size,
+                         step_tokens=cfg.engine.max_num_batched_tokens) for a in range(n_disp)]
     # as the services: the scheduler holds (submit/poll); api-servers place at once (choose)
     batching = hasattr(pols[0], "submit") and (n_disp == 1 or not hasattr(pols[0], "choose"))
     agg = StepAggregator(ranks, grace_s=cfg.grace_ms / 1000.0, min_interval_s=snap_interval)

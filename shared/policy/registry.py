@@ -8,14 +8,25 @@ from typing import Any
 
 # name -> (module, class). Imported lazily so a policy's module loads only when used.
 POLICIES: dict[str, tuple[str, str]] = {
+    "waterfill": ("shared.policy.waterfill", "WaterFill"),
     "round_robin": ("shared.policy.dispatch", "RoundRobin"),
     "least_score": ("shared.policy.dispatch", "LeastScore"),
     "least_tokens": ("shared.policy.dispatch", "LeastTokens"),
     "staggered": ("shared.policy.staggered", "StaggeredBatcher"),
-    "waterfill": ("shared.policy.waterfill", "WaterFill"),
 }
 
-DEFAULT_POLICY = "least_score"
+DEFAULT_POLICY = "waterfill"
+
+
+# What each is for (``lockstep up --help``).
+PURPOSE: dict[str, str] = {
+    "waterfill": "the default: binds each request to the rank with the least prefill pending, "
+                 "holding it centrally while every rank has two steps queued (right at every load)",
+    "least_score": "vLLM's waiting x 4 + running score, placed at once",
+    "least_tokens": "SGLang-style outstanding tokens, placed at once",
+    "round_robin": "rotate, ignoring load (a baseline)",
+    "staggered": "FastDeploy-style batches every rank starts in the same step",
+}
 
 
 def policy_names() -> list[str]:
