@@ -94,12 +94,17 @@ class StepView:
         return max(r[F_MAX_CTX] for r in self.rows)
 
     def column(self, field: int) -> list[int]:
-        return [r[field] for r in self.rows]
+        """One field of every row (computed once per view; do not modify the list)."""
+        col = self.memo.get(field)
+        if col is None:
+            col = self.memo[field] = [r[field] for r in self.rows]
+        return col
 
     def set_column(self, field: int, values: list[int]) -> None:
         for row, v in zip(self.rows, values):
             row[field] = v
         self.memo.pop("summary", None)
+        self.memo.pop(field, None)
 
     def action(self, rank: int) -> Action:
         stop, any_work, max_tokens = self._summary()

@@ -97,14 +97,20 @@ class RankStep:
     def decide(self, plan: StepPlan, view: StepView, now_s: float) -> tuple[Action, int]:
         """Apply the group's rows: token alignment (trims ``plan``), the batch gate's
         shared verdict; returns this rank's action and how many batches were released."""
-        if self.budget is not None and all(view.column(F_ALIGN)):
+        align = view.memo.get("align")
+        if align is None:
+            align = view.memo["align"] = all(view.column(F_ALIGN))
+        if self.budget is not None and align:
             T = view.memo.get("budget")
             if T is None:   # the same on every rank: computed once per view
                 T = view.memo["budget"] = self._budget(view)
             # the prefill pending on the OTHER ranks, in full steps: what a held prefill could
             # share a balanced step with (waiting for nobody is futile)
             q = view.column(F_QUEUED)
-            self.backlog = (sum(q) - q[self.rank]) / (len(q) * self.budget.max_tokens)
+            total = view.memo.get("queued")
+            if total is None:
+                total = view.memo["queued"] = sum(q)
+            self.backlog = (total - q[self.rank]) / (len(q) * self.budget.max_tokens)
             planned = plan.num_tokens
             trim_plan(plan, allowed(plan.decode_tokens, plan.num_tokens, T))
             self.held_steps = self.held_steps + 1 if plan.num_tokens < planned else 0
@@ -113,7 +119,10 @@ class RankStep:
                 self.core.unadmit([q for q in plan.admitted if q.id in gone])
         released = 0
         gate = self.gate
-        if gate.counts or any(view.column(F_GATE_HELD)):
+        held = view.memo.get("held")
+        if held is None:
+            held = view.memo["held"] = any(view.column(F_GATE_HELD))
+        if gate.counts or held:
             released = gate.after_exchange(view.column(F_GATE), view.column(F_GATE_HELD),
                                            view.rows[0][F_RELEASE], now_s)
             gate.forget_done({batch_number(q.batch) for q in self.core.waiting if q.held})
