@@ -38,7 +38,7 @@ class RankStep:
         self.blocked_s = float("-inf")            # last plan that could admit nothing (no slot / KV)
         self.last_step_ms = 0.0                   # measured duration of the last step (deadline planning)
         self.held_steps = 0                       # consecutive steps the budget held this rank's prefill back
-        self.backlog = 0.0                        # the group's pending prefill, in full steps (last view)
+        self.backlog = 0.0                        # prefill pending on the other ranks, in full steps (last view)
 
     def note_step(self, dur_ms: float) -> None:
         """The step that just ran took ``dur_ms`` (deadlines plan with it)."""
@@ -107,10 +107,7 @@ class RankStep:
             # the prefill pending on the OTHER ranks, in full steps: what a held prefill could
             # share a balanced step with (waiting for nobody is futile)
             q = view.column(F_QUEUED)
-            total = view.memo.get("queued")
-            if total is None:
-                total = view.memo["queued"] = sum(q)
-            self.backlog = (total - q[self.rank]) / (len(q) * self.budget.max_tokens)
+            self.backlog = (_queued(view) - q[self.rank]) / (len(q) * self.budget.max_tokens)
             planned = plan.num_tokens
             trim_plan(plan, allowed(plan.decode_tokens, plan.num_tokens, T))
             self.held_steps = self.held_steps + 1 if plan.num_tokens < planned else 0
@@ -128,7 +125,6 @@ class RankStep:
             gate.forget_done({batch_number(q.batch) for q in self.core.waiting if q.held})
         return view.action(self.rank), released
 
-
     def _budget(self, view: StepView) -> int:
         """This step's shared token budget (the same on every rank: a function of the rows)."""
         cfg = self.budget
@@ -139,14 +135,21 @@ class RankStep:
             for t, f in zip(tokens, view.column(F_FORCED)):
                 if f:
                     T = max(T, int(t))
-            backlog = view.memo["backlog"] = sum(view.column(F_QUEUED)) / (len(decode) * cfg.max_tokens)
-            if backlog < cfg.backlog_steps:      # headroom: TTFT first, prefill deadlines hold
+            if _queued(view) / (len(decode) * cfg.max_tokens) < cfg.backlog_steps:      # headroom: TTFT first, prefill deadlines hold
                 for t, m in zip(tokens, must):
                     T = max(T, min(int(t), int(m)))
         else:
             T = shared_budget(decode, tokens, must, cfg)
         view.set_column(F_TOKENS, allowed_all(decode, tokens, T))
         return T
+
+
+def _queued(view: StepView) -> int:
+    """The group's pending prefill tokens (once per view)."""
+    total = view.memo.get("queued")
+    if total is None:
+        total = view.memo["queued"] = sum(view.column(F_QUEUED))
+    return total
 
 
 def _never(seq: Sequence) -> bool:

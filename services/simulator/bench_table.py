@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from services.simulator import sweep
+from services.simulator.report import deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "docs" / "benchmarks.md"
@@ -51,11 +52,13 @@ def _cell(m: dict[str, Any]) -> str:
 
 def sweep_markdown(doc: dict[str, Any]) -> str:
     loads = [p["load"] for p in doc["points"]]
-    head = "| policy | " + " | ".join(f"load {x:g}" for x in loads) + " |"
-    rows = [head, "|---|" + "|".join("---:" for _ in loads) + "|"]
+    head = "| policy | deployment | " + " | ".join(f"load {x:g}" for x in loads) + " |"
+    rows = [head, "|---|---|" + "|".join("---:" for _ in loads) + "|"]
     for name in doc["policies"]:
         label = f"**{name}**" if name == doc.get("default") else name
-        rows.append(f"| {label} | " + " | ".join(_cell(p["policies"][name]) for p in doc["points"]) + " |")
+        m0 = doc["points"][0]["policies"][name]
+        dep = m0.get("deployment") or deployment((m0.get("counters") or {}).get("deployment")) or "-"
+        rows.append(f"| {label} | {dep} | " + " | ".join(_cell(p["policies"][name]) for p in doc["points"]) + " |")
     return "\n".join(rows)
 
 
@@ -104,7 +107,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="a small run printed to stdout, the page untouched")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--from-json", action="store_true",
+                    help="re-render the page from docs/benchmarks.json (no simulation)")
     a = ap.parse_args(argv)
+    if a.from_json:
+        data = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
+        both = {tuple(k.split(":", 1)): v for k, v in data["uniform"].items()}
+        write_page(data["own"], both, data.get("wall_s", 0.0))
+        return
     ranks, api, req = (8, 2, 600) if a.quick else (RANKS, API_SERVERS, REQUESTS)
     loads = (0.5, 1.0, 1.5) if a.quick else LOADS
     jobs = [(w, None, loads, ranks, api, req) for w in WORKLOADS]
@@ -120,6 +130,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"## {w}\n{sweep_markdown(doc)}\n" + "\n".join(goal_lines(doc)) + "\n")
         print(check_markdown(both))
         return
+    (ROOT / "docs" / "benchmarks.json").write_text(json.dumps(
+        {"own": own, "uniform": {f"{k[0]}:{k[1]}": v for k, v in both.items()}, "wall_s": wall}))
+    write_page(own, both, wall)
+
+
+def write_page(own: dict[str, Any], both: dict[tuple, Any], wall: float) -> None:
     from services.simulator.plot import plot_sweep
     IMG.mkdir(parents=True, exist_ok=True)
     sections = []
@@ -131,7 +147,6 @@ def main(argv: list[str] | None = None) -> None:
             f"TTFT p99 / ITL p99 ms.\n\n" + sweep_markdown(doc) +
             f"\n\n![{w} sweep](img/sweep-{w}.png)\n\nThe default against the peers (goals of issue #13):\n\n" +
             "\n".join(goal_lines(doc)) + "\n")
-    (ROOT / "docs" / "benchmarks.json").write_text(json.dumps({"own": own, "uniform": {f"{k[0]}:{k[1]}": v for k, v in both.items()}}))
     head = (ROOT / "services" / "simulator" / "benchmarks_head.md").read_text()
     tail = (ROOT / "services" / "simulator" / "benchmarks_tail.md").read_text()
     OUT.write_text(head + "\n## Load sweeps, each system in its own deployment\n\n" + "\n".join(sections) +

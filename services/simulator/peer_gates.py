@@ -15,7 +15,6 @@ It calls ``bind`` at every step boundary with exact :class:`RankLoad` rows.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol

@@ -81,8 +81,20 @@ def summarize(r: RunResult, ideal_tok_s: float | None) -> dict[str, Any]:
         "mean_step_ms": busy / r.step_dur.size * 1000.0 if r.step_dur.size else 0.0,
         "requests_per_rank_max_over_mean": float(per_rank.max() / per_rank.mean()) if per_rank.size and per_rank.mean() > 0 else None,
         "counters": r.counters,
+        "deployment": deployment(r.counters.get("deployment")),
     }
     return _clean(out)
+
+
+def deployment(d: dict[str, Any] | None) -> str | None:
+    """Who decided and how fresh its view was, in words (the table's 'deployment')."""
+    if not d:
+        return None
+    if d.get("late_binding"):
+        return "in-engine queue, exact view"
+    n, v = d.get("dispatchers", 1), d.get("view_interval_ms", 0.0)
+    who = "1 dispatcher" if n == 1 else f"{n} api-servers"
+    return f"{who}, view {'every step' if not v else f'every {v:g} ms'}"
 
 
 def document(config: dict[str, Any], results: list[RunResult], ideal: RunResult | None) -> dict[str, Any]:
@@ -124,17 +136,19 @@ def rich_table(doc: dict[str, Any], title: str | None = None):
     from rich.table import Table
     table = Table(title=title, show_lines=False)
     table.add_column("policy", style="bold")
+    table.add_column("deployment")
     for _, head, _ in COLUMNS:
         table.add_column(head, justify="right")
     for name, p in doc["policies"].items():
-        table.add_row(name, *[fmt(k, p.get(k)) for k, _, _ in COLUMNS])
+        label = name + (" (default)" if name == doc.get("default") else "")
+        table.add_row(label, p.get("deployment") or "-", *[fmt(k, p.get(k)) for k, _, _ in COLUMNS])
     return table
 
 
 def markdown_table(doc: dict[str, Any]) -> str:
-    head = "| policy | " + " | ".join(h for _, h, _ in COLUMNS) + " |"
-    sep = "|---|" + "|".join("---:" for _ in COLUMNS) + "|"
+    head = "| policy | deployment | " + " | ".join(h for _, h, _ in COLUMNS) + " |"
+    sep = "|---|---|" + "|".join("---:" for _ in COLUMNS) + "|"
     rows = [head, sep]
     for name, p in doc["policies"].items():
-        rows.append(f"| {name} | " + " | ".join(fmt(k, p.get(k)) for k, _, _ in COLUMNS) + " |")
+        rows.append(f"| {name} | {p.get('deployment') or '-'} | " + " | ".join(fmt(k, p.get(k)) for k, _, _ in COLUMNS) + " |")
     return "\n".join(rows)
