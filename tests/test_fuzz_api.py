@@ -72,7 +72,7 @@ def check(resp: httpx.Response) -> None:
         assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
 def test_fuzz_from_openapi_schema(api, path):
     cluster, spec = api
     schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]

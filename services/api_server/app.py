@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -17,16 +18,26 @@ from starlette.responses import Response, StreamingResponse
 from services.api_server.errors import ApiError, error_response
 from services.api_server.gateway import Gateway, RequestChannel, client_policy
 from services.api_server.metrics import ApiMetrics
-from services.api_server.protocol import CHAT_SCHEMA, COMPLETION_SCHEMA, ParsedRequest, openapi_body, parse
+from services.api_server.protocol import (CHAT_SCHEMA, CHAT_TEMPLATE, COMPLETION_SCHEMA, DETOKENIZE_SCHEMA,
+                                         SPECIAL_TOKENS, TOKENIZE_SCHEMA, ParsedRequest, openapi_body, parse,
+                                         parse_detokenize, parse_tokenize, token_str)
 from shared import keys as K
 from shared.bus import connect
 from shared.logging import configure
 from shared.messages import Request
 from shared.settings import ApiServerSettings
 from shared.stop import TextStopper
-from shared.tokenizer import StreamDecoder
+from shared.tokenizer import BOS, EOS, VOCAB_SIZE, StreamDecoder, decode
 from shared import trace
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("lockstep")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+VERSION = _version()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -99,6 +110,7 @@ def create_app(settings: ApiServerSettings) -> Any:
     api_id = f"{settings.api_id or 'api'}-{uuid.uuid4().hex[:6]}"
     log = configure("api-server", settings.log_level, api=api_id)
     metrics = ApiMetrics()
+    warned: set[str] = set()   # unknown request fields already logged (once per name per process)
     keys = K.Keys(settings.namespace)
     state: dict[str, Any] = {}
 
@@ -165,11 +177,58 @@ def create_app(settings: ApiServerSettings) -> Any:
             metrics.observe_policy(gw.policy)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": settings.model, "object": "model", "created": 0, "owned_by": "lockstep",
+                "root": settings.model, "parent": None, "max_model_len": settings.max_model_len}
+
     @app.get("/v1/models")
     async def models(request: HttpRequest) -> Response:
         check_auth(request)
-        return _json({"object": "list", "data": [{"id": settings.model, "object": "model", "created": 0,
-                                                  "owned_by": "lockstep", "max_model_len": settings.max_model_len}]})
+        return _json({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: HttpRequest, model_id: str) -> Response:
+        check_auth(request)
+        if model_id != settings.model:
+            raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{settings.model}'",
+                           param="model", code="model_not_found")
+        return _json(model_card())
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """SageMaker's liveness probe, as vLLM serves it: 200 with an empty body."""
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json({"version": VERSION})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        return _json({"tokenizer_class": "ByteLevelTokenizer", "vocab_size": VOCAB_SIZE,
+                      "model_max_length": settings.max_model_len, "eos_token": SPECIAL_TOKENS[EOS],
+                      "eos_token_id": EOS, "bos_token": SPECIAL_TOKENS[BOS], "bos_token_id": BOS,
+                      "add_bos_token": False, "add_eos_token": False, "pad_token": None, "unk_token": None,
+                      "chat_template": CHAT_TEMPLATE,
+                      "description": "each UTF-8 byte is one token (ids 0..255); ids 256.. are special"})
+
+    async def _body(request: HttpRequest) -> Any:
+        try:
+            return orjson.loads(await request.body())
+        except orjson.JSONDecodeError as exc:
+            raise ApiError(400, f"invalid JSON body: {exc}") from None
+
+    @app.post("/tokenize", openapi_extra=openapi_body(TOKENIZE_SCHEMA))
+    async def tokenize(request: HttpRequest) -> Response:
+        check_auth(request)
+        tokens, strs = parse_tokenize(await _body(request), settings.model)
+        return _json({"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens,
+                      "token_strs": [token_str(t) for t in tokens] if strs else None})
+
+    @app.post("/detokenize", openapi_extra=openapi_body(DETOKENIZE_SCHEMA))
+    async def detokenize(request: HttpRequest) -> Response:
+        check_auth(request)
+        return _json({"prompt": decode(parse_detokenize(await _body(request), settings.model))})
 
     async def handle(request: HttpRequest, kind: str) -> Response:
         endpoint = "chat" if kind == "chat" else "completions"
@@ -185,6 +244,10 @@ def create_app(settings: ApiServerSettings) -> Any:
             gw: Gateway = state["gw"]
             parsed = parse(body, kind, served_model=settings.model, max_model_len=settings.max_model_len,
                            num_ranks=gw.num_ranks, header_rank=request.headers.get("x-data-parallel-rank"))
+            if parsed.ignored and len(warned) < 256 and not warned.issuperset(parsed.ignored):
+                new = sorted(set(parsed.ignored) - warned)
+                warned.update(new)
+                log.warning("unknown_fields_ignored", fields=new, endpoint=endpoint)
             if len(gw.channels) >= settings.max_inflight:
                 metrics.rejected.inc()
                 raise ApiError(429, f"server busy: {settings.max_inflight} requests in flight on this replica; "

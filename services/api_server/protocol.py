@@ -9,13 +9,69 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from services.api_server.errors import ApiError
 from shared.messages import SamplingParams
-from shared.tokenizer import encode
+from shared.tokenizer import BOS, EOS, VOCAB_SIZE, encode
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 64
 
+
+# Parameters that this server knows but does not implement yet. Each is accepted only at
+# its neutral value (the one that changes nothing); anything else is a 400 that names the
+# field (docs/api.md). name -> (neutral values, JSON schema of the neutral values).
+_NEUTRAL: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
+    "presence_penalty": ((0,), {"type": "number", "enum": [0]}),
+    "frequency_penalty": ((0,), {"type": "number", "enum": [0]}),
+    "repetition_penalty": ((1,), {"type": "number", "enum": [1]}),
+    "top_k": ((-1, 0), {"type": "integer", "enum": [-1, 0]}),
+    "min_p": ((0,), {"type": "number", "enum": [0]}),
+    "min_tokens": ((0,), {"type": "integer", "enum": [0]}),
+    "logit_bias": (({},), {"type": "object", "maxProperties": 0}),
+    "response_format": (({"type": "text"},), {"type": "object", "properties": {"type": {"type": "string",
+                                                                                       "enum": ["text"]}}}),
+    "guided_json": ((), {"type": "null"}),
+    "guided_regex": ((), {"type": "null"}),
+    "guided_choice": ((), {"type": "null"}),
+    "guided_grammar": ((), {"type": "null"}),
+    "structured_outputs": ((), {"type": "null"}),
+    "best_of": ((1,), {"type": "integer", "enum": [1]}),
+    "n": ((1,), {"type": "integer", "enum": [1]}),
+    "stop_token_ids": (([],), {"type": "array", "maxItems": 0}),
+    "bad_words": (([],), {"type": "array", "maxItems": 0}),
+    "include_stop_str_in_output": ((False,), {"type": "boolean", "enum": [False]}),
+    "skip_special_tokens": ((True,), {"type": "boolean", "enum": [True]}),
+    "prompt_logprobs": ((), {"type": "null"}),
+}
+_NEUTRAL_COMPLETION: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
+    **_NEUTRAL,
+    "logprobs": ((), {"type": "null"}),
+    "suffix": (("",), {"type": "string", "maxLength": 0}),
+}
+_NEUTRAL_CHAT: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
+    **_NEUTRAL,
+    "logprobs": ((False,), {"type": "boolean", "enum": [False]}),
+    "top_logprobs": ((0,), {"type": "integer", "enum": [0]}),
+    "tools": (([],), {"type": "array", "maxItems": 0}),
+    "tool_choice": (("none",), {"type": "string", "enum": ["none"]}),
+    "functions": (([],), {"type": "array", "maxItems": 0}),
+    "function_call": (("none",), {"type": "string", "enum": ["none"]}),
+    "parallel_tool_calls": ((True, False), {"type": "boolean"}),
+    "modalities": ((["text"],), {"type": "array", "items": {"type": "string", "enum": ["text"]}, "maxItems": 1}),
+    "audio": ((), {"type": "null"}),
+    "prediction": ((), {"type": "null"}),
+    "reasoning_effort": ((), {"type": "null"}),
+    "web_search_options": ((), {"type": "null"}),
+    "store": ((False,), {"type": "boolean", "enum": [False]}),
+}
+_WHY = {"n": "send n separate requests", "best_of": "send separate requests",
+        "tools": "tool calling is not implemented", "tool_choice": "tool calling is not implemented",
+        "functions": "tool calling is not implemented", "function_call": "tool calling is not implemented"}
+
+# Accepted and informational only: they never change the output (docs/api.md).
+_INFORMATIONAL = {"user": {"type": "string"}, "metadata": {"type": "object"}, "service_tier": {"type": "string"}}
 
 _COMMON: dict[str, Any] = {
     "model": {"type": "string"},
@@ -25,25 +81,41 @@ _COMMON: dict[str, Any] = {
     "seed": {"type": "integer"},
     "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
     "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"},
+                                                        "continuous_usage_stats": {"type": "boolean",
+                                                                                   "enum": [False]}}},
     "ignore_eos": {"type": "boolean"},
-    "n": {"type": "integer", "enum": [1]},
     "data_parallel_rank": {"type": "integer", "minimum": 0},
-    "user": {"type": "string"},
+    **_INFORMATIONAL,
 }
+_UNSUPPORTED_NOTE = "not supported yet: only the neutral value shown is accepted; any other value is a 400"
+
+
+def _neutral_schemas(table: dict[str, tuple[tuple[Any, ...], dict[str, Any]]]) -> dict[str, Any]:
+    return {k: {**schema, "description": _UNSUPPORTED_NOTE} for k, (_, schema) in table.items()}
+
+
 COMPLETION_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["model", "prompt"],
-    "properties": {**_COMMON, "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
-                   "echo": {"type": "boolean"}, "logprobs": {"type": "null"}},
+    "properties": {**_COMMON, **_neutral_schemas(_NEUTRAL_COMPLETION),
+                   "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
+                   "echo": {"type": "boolean"}},
+    "additionalProperties": True,
+    "description": "Unknown fields are ignored (logged once per field name at warning level); see docs/api.md.",
 }
 CHAT_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["model", "messages"],
-    "properties": {**_COMMON, "max_completion_tokens": {"type": "integer", "minimum": 1},
+    "properties": {**_COMMON, **_neutral_schemas(_NEUTRAL_CHAT),
+                   "max_completion_tokens": {"type": "integer", "minimum": 1},
                    "messages": {"type": "array", "minItems": 1, "items": {
                        "type": "object", "required": ["role", "content"],
                        "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
                                       "content": {"type": "string"}}}}},
+    "additionalProperties": True,
+    "description": "Unknown fields are ignored (logged once per field name at warning level); see docs/api.md.",
 }
+KNOWN_COMPLETION = frozenset(COMPLETION_SCHEMA["properties"])
+KNOWN_CHAT = frozenset(CHAT_SCHEMA["properties"])
 
 
 def openapi_body(schema: dict[str, Any]) -> dict[str, Any]:
@@ -62,12 +134,17 @@ class ParsedRequest:
     rank: int | None
     echo: bool = False
     prompt_text: str = ""
+    ignored: tuple[str, ...] = ()  # unknown top-level fields, ignored (docs/api.md)
 
 
-def chat_template(messages: list[dict[str, Any]]) -> str:
+def chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
     """The model's chat format: role tags on their own lines, then the assistant's turn."""
     parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
-    return "".join(parts) + "<|assistant|>\n"
+    return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}" \
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 
 
 def _num(body: dict, name: str, typ: type, default: Any, lo: float | None = None, hi: float | None = None,
@@ -108,19 +185,42 @@ def _stop(body: dict) -> list[str]:
     return stops
 
 
+def _is_neutral(v: Any, neutral: tuple[Any, ...]) -> bool:
+    if v is None:
+        return True
+    for n in neutral:
+        if type(v) is bool or type(n) is bool:
+            if v is n:
+                return True
+        elif v == n:
+            return True
+    return False
+
+
 def _unsupported(body: dict, chat: bool) -> None:
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise ApiError(400, "'n' > 1 is not supported yet; send n separate requests", param="n")
-    if body.get("best_of") not in (None, 1):
-        raise ApiError(400, "'best_of' is not supported", param="best_of")
-    if chat:
-        if body.get("tools") or body.get("tool_choice") not in (None, "none") or body.get("functions"):
-            raise ApiError(400, "tools and function calling are not supported yet", param="tools")
-        if body.get("logprobs") or body.get("top_logprobs"):
-            raise ApiError(400, "'logprobs' is not supported yet", param="logprobs")
-    elif body.get("logprobs") is not None:
-        raise ApiError(400, "'logprobs' is not supported yet", param="logprobs")
+    """A known parameter at a non-neutral value is refused, naming the field."""
+    table = _NEUTRAL_CHAT if chat else _NEUTRAL_COMPLETION
+    for name, (neutral, _) in table.items():
+        if name in body and not _is_neutral(body[name], neutral):
+            why = _WHY.get(name)
+            raise ApiError(400, f"'{name}' is not supported yet by this server (only the neutral value "
+                           f"{'null' if not neutral else ' or '.join(_show(n) for n in neutral)} is accepted)"
+                           + (f"; {why}" if why else ""), param=name, code="unsupported_parameter")
+    opts = body.get("stream_options")
+    if isinstance(opts, dict) and opts.get("continuous_usage_stats") not in (None, False):
+        raise ApiError(400, "'stream_options.continuous_usage_stats' is not supported yet by this server "
+                       "(only false is accepted)", param="stream_options.continuous_usage_stats",
+                       code="unsupported_parameter")
+
+
+def _show(v: Any) -> str:
+    return orjson.dumps(v).decode()
+
+
+def unknown_fields(body: dict, kind: str) -> list[str]:
+    """Top-level fields this server does not know: ignored, as vLLM does (docs/api.md)."""
+    known = KNOWN_CHAT if kind == "chat" else KNOWN_COMPLETION
+    return [k for k in body if k not in known]
 
 
 def _prompt_tokens(prompt: Any) -> tuple[list[int], str]:
@@ -223,4 +323,74 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
                            param="data_parallel_rank")
     return ParsedRequest(kind=kind, model=model, prompt=prompt, params=params, stream=stream,
                          include_usage=include_usage, rank=rank, echo=bool(body.get("echo")) and not chat,
-                         prompt_text=text)
+                         prompt_text=text, ignored=tuple(unknown_fields(body, kind)))
+
+
+# --- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------
+
+TOKENIZE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "Either 'prompt' (completion-style) or 'messages' (chat-style, through the chat template).",
+    "properties": {
+        "model": {"type": "string"},
+        "prompt": {"type": "string"},
+        "messages": CHAT_SCHEMA["properties"]["messages"],
+        "add_generation_prompt": {"type": "boolean"},
+        "add_special_tokens": {"type": "boolean"},
+        "return_token_strs": {"type": "boolean"},
+    },
+}
+DETOKENIZE_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["tokens"],
+    "properties": {"model": {"type": "string"},
+                   "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": VOCAB_SIZE - 1}}},
+}
+SPECIAL_TOKENS = {EOS: "<|eos|>", BOS: "<|bos|>"}
+
+
+def token_str(t: int) -> str:
+    """A token's name: the byte itself when it is printable ASCII, else <0xNN>, or a special's name."""
+    if t >= 256:
+        return SPECIAL_TOKENS.get(t, f"<|reserved_{t}|>")
+    return chr(t) if 32 <= t < 127 else f"<0x{t:02X}>"
+
+
+def _check_model(body: dict, served_model: str) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise ApiError(400, "'model' must be a string", param="model")
+    if model != served_model:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{served_model}'",
+                       param="model", code="model_not_found")
+
+
+def parse_tokenize(body: Any, served_model: str) -> tuple[list[int], bool]:
+    """(tokens, return_token_strs) for a /tokenize body."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_model(body, served_model)
+    strs = _bool(body, "return_token_strs", False)
+    _bool(body, "add_special_tokens", True)   # accepted: this tokenizer adds no special tokens
+    has_prompt, has_msgs = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_msgs:
+        raise ApiError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
+    if has_prompt:
+        if not isinstance(body["prompt"], str):
+            raise ApiError(400, "'prompt' must be a string", param="prompt")
+        return encode(body["prompt"]), strs
+    text = chat_template(_messages(body), _bool(body, "add_generation_prompt", True))
+    return encode(text), strs
+
+
+def parse_detokenize(body: Any, served_model: str) -> list[int]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    _check_model(body, served_model)
+    toks = body.get("tokens")
+    if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+        raise ApiError(400, "'tokens' must be a list of token ids", param="tokens")
+    if any(t < 0 or t >= VOCAB_SIZE for t in toks):
+        raise ApiError(400, f"token ids must be within 0..{VOCAB_SIZE - 1}", param="tokens")
+    return toks

@@ -1,0 +1,198 @@
+"""Issue #15: the API people already use. vLLM's extra endpoints, and the parameter rule: a
+parameter takes effect, or is refused with a 400 naming it; unknown fields are ignored and
+logged (docs/api.md). Against a live `--backend sim` cluster, with the official openai SDK
+where it has a method and httpx where it has none."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from services.api_server.protocol import CHAT_SCHEMA, COMPLETION_SCHEMA, chat_template
+from shared.tokenizer import encode
+from tests.helpers import sim_expected_text
+
+pytestmark = pytest.mark.slow
+MODEL = "lockstep-moe"
+
+
+@pytest.fixture(scope="module")
+def client(sim_cluster):
+    c = openai.OpenAI(base_url=sim_cluster.api_url, api_key="unused", max_retries=0, timeout=60)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def root(sim_cluster):
+    return sim_cluster.api_url.rsplit("/v1", 1)[0]
+
+
+# --- 1. endpoints --------------------------------------------------------------------------
+
+def test_models_retrieve(client):
+    m = client.models.retrieve(MODEL)
+    assert m.id == MODEL and m.object == "model" and m.owned_by == "lockstep"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    body = err.value.response.json()["error"]
+    assert body["code"] == "model_not_found" and "no-such-model" in body["message"]
+    assert body["type"] == "not_found_error"
+
+
+def test_tokenize_prompt_and_messages(root):
+    r = httpx.post(root + "/tokenize", json={"model": MODEL, "prompt": "héllo"}, timeout=10)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == encode("héllo") and body["count"] == 6 and body["max_model_len"] > 6
+    assert body["token_strs"] is None
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(root + "/tokenize", json={"model": MODEL, "messages": msgs, "return_token_strs": True},
+                   timeout=10).json()
+    assert r["tokens"] == encode(chat_template(msgs)) and r["count"] == len(r["tokens"])
+    assert "".join(r["token_strs"]) == chat_template(msgs).replace("\n", "<0x0A>")
+    r = httpx.post(root + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}, timeout=10).json()
+    assert r["tokens"] == encode(chat_template(msgs, add_generation_prompt=False))
+
+
+def test_tokenize_counts_what_a_completion_bills(client, root):
+    prompt = "count me exactly €"
+    n = httpx.post(root + "/tokenize", json={"model": MODEL, "prompt": prompt}, timeout=10).json()["count"]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert r.usage.prompt_tokens == n
+
+
+def test_detokenize_round_trip(root):
+    toks = encode("round trip ü") + [256]   # EOS is special: not text
+    r = httpx.post(root + "/detokenize", json={"model": MODEL, "tokens": toks}, timeout=10)
+    assert r.status_code == 200 and r.json() == {"prompt": "round trip ü"}
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+    ("/tokenize", {"model": MODEL}, 400, "prompt"),
+    ("/tokenize", {"model": MODEL, "prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt"),
+    ("/tokenize", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("/detokenize", {"model": MODEL, "tokens": [1, 999]}, 400, "tokens"),
+    ("/detokenize", {"model": MODEL, "tokens": "abc"}, 400, "tokens"),
+    ("/detokenize", [1, 2], 400, None),
+])
+def test_tokenize_errors_are_openai_shaped(root, path, body, status, param):
+    r = httpx.post(root + path, json=body, timeout=10)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["param"] == param
+
+
+def test_version_ping_tokenizer_info(root):
+    import importlib.metadata
+    v = httpx.get(root + "/version", timeout=10)
+    assert v.status_code == 200 and v.json() == {"version": importlib.metadata.version("lockstep")}
+    assert httpx.get(root + "/ping", timeout=10).status_code == 200
+    assert httpx.post(root + "/ping", timeout=10).status_code == 200
+    info = httpx.get(root + "/tokenizer_info", timeout=10).json()
+    assert info["vocab_size"] == 260 and info["eos_token_id"] == 256 and info["model_max_length"] > 0
+    assert "add_generation_prompt" in info["chat_template"]
+
+
+def test_new_endpoints_in_openapi(root):
+    paths = httpx.get(root + "/openapi.json", timeout=10).json()["paths"]
+    for p in ("/tokenize", "/detokenize", "/tokenizer_info", "/version", "/ping", "/v1/models/{model_id}"):
+        assert p in paths, p
+
+
+# --- 2. no silently ignored parameter ------------------------------------------------------
+
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "top_k": -1, "min_p": 0,
+           "min_tokens": 0, "logit_bias": {}, "response_format": {"type": "text"}, "n": 1, "best_of": 1,
+           "guided_json": None, "structured_outputs": None, "stop_token_ids": [],
+           "include_stop_str_in_output": False, "skip_special_tokens": True}
+
+REFUSED_BOTH = [("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2), ("top_k", 5),
+                ("min_p", 0.1), ("min_tokens", 3), ("logit_bias", {"65": 10}),
+                ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
+                ("guided_regex", "a+"), ("guided_choice", ["a"]), ("structured_outputs", {"json": {}}),
+                ("n", 2), ("best_of", 3), ("stop_token_ids", [10]), ("include_stop_str_in_output", True),
+                ("skip_special_tokens", False), ("prompt_logprobs", 1)]
+REFUSED_COMPLETION = [("suffix", "tail"), ("logprobs", 2), ("logprobs", 0)]
+REFUSED_CHAT = [("logprobs", True), ("top_logprobs", 3), ("tools", [{"type": "function"}]),
+                ("tool_choice", "auto"), ("store", True), ("modalities", ["audio"])]
+
+
+def test_neutral_values_are_accepted(client):
+    ref = client.completions.create(model=MODEL, prompt="neutral", max_tokens=12, seed=4,
+                                    extra_body={"ignore_eos": True})
+    r = client.completions.create(model=MODEL, prompt="neutral", max_tokens=12, seed=4,
+                                  extra_body={"ignore_eos": True, **NEUTRAL, "suffix": ""})
+    assert r.choices[0].text == ref.choices[0].text == sim_expected_text(encode("neutral"), 12, seed=4)
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       logprobs=False, top_logprobs=0, tool_choice="none", tools=[], store=False,
+                                       parallel_tool_calls=False, extra_body=NEUTRAL)
+    assert c.usage.completion_tokens >= 1
+    s = list(client.completions.create(model=MODEL, prompt="x", max_tokens=3, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": False}))
+    assert s[-1].usage is not None
+
+
+def _refused(call, name: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        call()
+    body = err.value.response.json()["error"]
+    assert body["param"] == name, body
+    assert name in body["message"] and "not supported yet" in body["message"], body
+    assert body["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("name,value", REFUSED_BOTH + REFUSED_COMPLETION)
+def test_completion_refuses_non_neutral(client, name, value):
+    _refused(lambda: client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={name: value}),
+             name)
+
+
+@pytest.mark.parametrize("name,value", REFUSED_BOTH + REFUSED_CHAT)
+def test_chat_refuses_non_neutral(client, name, value):
+    _refused(lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                    max_tokens=2, extra_body={name: value}), name)
+
+
+def test_continuous_usage_stats_refused(client):
+    _refused(lambda: client.completions.create(
+        model=MODEL, prompt="x", max_tokens=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}),
+        "stream_options.continuous_usage_stats")
+
+
+def test_sdk_typed_parameters_refused(client):
+    """The SDK's own keyword arguments, not only extra_body."""
+    _refused(lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                    presence_penalty=1.0), "presence_penalty")
+    _refused(lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                    response_format={"type": "json_object"}), "response_format")
+    _refused(lambda: client.completions.create(model=MODEL, prompt="x", logit_bias={"65": 5}), "logit_bias")
+
+
+def test_unknown_fields_ignored_and_logged(client, sim_cluster):
+    r = client.completions.create(model=MODEL, prompt="unknown", max_tokens=6, seed=2,
+                                  extra_body={"ignore_eos": True, "zz_unknown_field": 1})
+    assert r.choices[0].text == sim_expected_text(encode("unknown"), 6, seed=2)
+    logs = Path(sim_cluster.state_dir) / sim_cluster.namespace / "logs"
+
+    def api_logs() -> str:
+        return "".join(p.read_text(errors="replace") for p in logs.glob("api-*.log"))
+
+    deadline = time.monotonic() + 10
+    while "zz_unknown_field" not in api_logs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    line = next(ln for ln in api_logs().splitlines() if "zz_unknown_field" in ln)
+    assert "unknown_fields_ignored" in line
+
+
+def test_schema_lists_every_refused_field_with_its_neutral_value():
+    for schema, refused in ((COMPLETION_SCHEMA, REFUSED_BOTH + REFUSED_COMPLETION),
+                            (CHAT_SCHEMA, REFUSED_BOTH + REFUSED_CHAT)):
+        for name, _ in refused:
+            assert "not supported yet" in schema["properties"][name]["description"], name
