@@ -31,15 +31,39 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    top_k: int = -1                    # -1 or 0: no cut
+    min_p: float = 0.0
+    presence_penalty: float = 0.0      # over the generated tokens (OpenAI's)
+    frequency_penalty: float = 0.0     # over the generated tokens (OpenAI's)
+    repetition_penalty: float = 1.0    # over prompt + generated tokens (vLLM's / HF's)
+
+    @property
+    def penalized(self) -> bool:
+        """True when sampling needs the sequence's token history."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mt": self.max_tokens, "te": self.temperature, "tp": self.top_p,
-                "sd": self.seed, "st": self.stop, "ie": self.ignore_eos}
+        d: dict[str, Any] = {"mt": self.max_tokens, "te": self.temperature, "tp": self.top_p,
+                             "sd": self.seed, "st": self.stop, "ie": self.ignore_eos}
+        # Newer keys only when not at their default: the wire stays what older readers know.
+        if self.top_k > 0:
+            d["tk"] = self.top_k
+        if self.min_p:
+            d["mp"] = self.min_p
+        if self.presence_penalty:
+            d["pp"] = self.presence_penalty
+        if self.frequency_penalty:
+            d["fp"] = self.frequency_penalty
+        if self.repetition_penalty != 1.0:
+            d["rp"] = self.repetition_penalty
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
         return cls(max_tokens=d["mt"], temperature=d["te"], top_p=d["tp"], seed=d["sd"],
-                   stop=list(d["st"]), ignore_eos=d["ie"])
+                   stop=list(d["st"]), ignore_eos=d["ie"], top_k=d.get("tk", -1), min_p=d.get("mp", 0.0),
+                   presence_penalty=d.get("pp", 0.0), frequency_penalty=d.get("fp", 0.0),
+                   repetition_penalty=d.get("rp", 1.0))
 
 
 @dataclass(slots=True)

@@ -112,8 +112,7 @@ NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty"
            "guided_json": None, "structured_outputs": None, "stop_token_ids": [],
            "include_stop_str_in_output": False, "skip_special_tokens": True}
 
-REFUSED_BOTH = [("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2), ("top_k", 5),
-                ("min_p", 0.1), ("min_tokens", 3), ("logit_bias", {"65": 10}),
+REFUSED_BOTH = [("min_tokens", 3), ("logit_bias", {"65": 10}),
                 ("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
                 ("guided_regex", "a+"), ("guided_choice", ["a"]), ("structured_outputs", {"json": {}}),
                 ("n", 2), ("best_of", 3), ("stop_token_ids", [10]), ("include_stop_str_in_output", True),
@@ -159,6 +158,31 @@ def test_chat_refuses_non_neutral(client, name, value):
                                                     max_tokens=2, extra_body={name: value}), name)
 
 
+SUPPORTED = {"top_k": 5, "min_p": 0.1, "presence_penalty": 1.5, "frequency_penalty": -0.5,
+             "repetition_penalty": 1.3}
+
+
+def test_sampling_params_accepted(client):
+    """The engine's sampler implements these (tests/test_sampler_params.py); the sim backend's
+    text does not depend on sampling, so the same text comes back (docs/api.md)."""
+    r = client.completions.create(model=MODEL, prompt="sampled", max_tokens=8, seed=5,
+                                  extra_body={"ignore_eos": True, **SUPPORTED})
+    assert r.choices[0].text == sim_expected_text(encode("sampled"), 8, seed=5)
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                       presence_penalty=2.0, frequency_penalty=2.0,
+                                       extra_body={"top_k": 1, "min_p": 1.0, "repetition_penalty": 2.0})
+    assert c.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("name,value", [("top_k", -2), ("min_p", 1.5), ("presence_penalty", 2.5),
+                                        ("frequency_penalty", -3), ("repetition_penalty", 0),
+                                        ("top_k", 1.5), ("min_p", "x")])
+def test_sampling_params_out_of_range(client, name, value):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={name: value})
+    assert err.value.response.json()["error"]["param"] == name
+
+
 def test_continuous_usage_stats_refused(client):
     _refused(lambda: client.completions.create(
         model=MODEL, prompt="x", max_tokens=2, stream=True,
@@ -169,7 +193,7 @@ def test_continuous_usage_stats_refused(client):
 def test_sdk_typed_parameters_refused(client):
     """The SDK's own keyword arguments, not only extra_body."""
     _refused(lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                                    presence_penalty=1.0), "presence_penalty")
+                                                    n=2), "n")
     _refused(lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                                     response_format={"type": "json_object"}), "response_format")
     _refused(lambda: client.completions.create(model=MODEL, prompt="x", logit_bias={"65": 5}), "logit_bias")

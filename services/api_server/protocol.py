@@ -23,11 +23,6 @@ MAX_STOP_LEN = 64
 # its neutral value (the one that changes nothing); anything else is a 400 that names the
 # field (docs/api.md). name -> (neutral values, JSON schema of the neutral values).
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
-    "presence_penalty": ((0,), {"type": "number", "enum": [0]}),
-    "frequency_penalty": ((0,), {"type": "number", "enum": [0]}),
-    "repetition_penalty": ((1,), {"type": "number", "enum": [1]}),
-    "top_k": ((-1, 0), {"type": "integer", "enum": [-1, 0]}),
-    "min_p": ((0,), {"type": "number", "enum": [0]}),
     "min_tokens": ((0,), {"type": "integer", "enum": [0]}),
     "logit_bias": (({},), {"type": "object", "maxProperties": 0}),
     "response_format": (({"type": "text"},), {"type": "object", "properties": {"type": {"type": "string",
@@ -85,6 +80,11 @@ _COMMON: dict[str, Any] = {
                                                         "continuous_usage_stats": {"type": "boolean",
                                                                                    "enum": [False]}}},
     "ignore_eos": {"type": "boolean"},
+    "top_k": {"type": "integer", "minimum": -1, "description": "-1 or 0: no cut"},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
     "data_parallel_rank": {"type": "integer", "minimum": 0},
     **_INFORMATIONAL,
 }
@@ -301,6 +301,11 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
         seed=_num(body, "seed", int, None),
         stop=_stop(body),
         ignore_eos=_bool(body, "ignore_eos", False),
+        top_k=_num(body, "top_k", int, -1, lo=-1),
+        min_p=_num(body, "min_p", float, 0.0, lo=0.0, hi=1.0),
+        presence_penalty=_num(body, "presence_penalty", float, 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=_num(body, "frequency_penalty", float, 0.0, lo=-2.0, hi=2.0),
+        repetition_penalty=_num(body, "repetition_penalty", float, 1.0, lo=0.0, hi=2.0, lo_open=True),
     )
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")

@@ -210,7 +210,8 @@ class EngineWorker(GroupMembership):
     async def _forward(self, plan: Any, action: Action, view: StepView) -> dict[str, int]:
         t0 = time.perf_counter()
         if self.s.backend == "torch":
-            sampled = await asyncio.to_thread(self.backend.run, plan.chunks if action is Action.RUN else [])
+            chunks = plan.chunks if action is Action.RUN else []
+            sampled = await asyncio.to_thread(self.backend.run, chunks, self._sampling_extras(chunks))
         else:
             sampled = self.backend.run(plan.chunks, self.prompts, self.ignore_eos) if action is Action.RUN else {}
             # Lockstep: the step lasts as long as the busiest rank's modeled forward.
@@ -221,6 +222,24 @@ class EngineWorker(GroupMembership):
         if action is Action.IDLE:
             self.idle_forwards += 1
         return sampled
+
+    def _sampling_extras(self, chunks: list[Any]) -> dict[str, Any] | None:
+        """top_k, min_p and penalties of the sampled sequences that ask for them (torch only);
+        None, the common case, when none does."""
+        from services.engine_worker.model.sampler import RowExtra
+        out: dict[str, Any] = {}
+        for c in chunks:
+            if not c.sample:
+                continue
+            seq = self.core.get(c.seq_id)
+            if seq is None:
+                continue
+            p = seq.params
+            if p.top_k > 0 or p.min_p > 0 or p.penalized:
+                out[c.seq_id] = RowExtra(p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
+                                         p.repetition_penalty, list(seq.prompt) if p.penalized else [],
+                                         list(seq.generated) if p.penalized else [])
+        return out or None
 
     def _ingest(self) -> None:
         """Admit what the last round trip fetched from the inbox (requests and aborts)."""

@@ -10,7 +10,7 @@ from services.engine_worker.model.config import MoEConfig
 from services.engine_worker.model.kv_cache import PagedKVCache, build_layout
 from services.engine_worker.model.model import MoETransformer
 from services.engine_worker.model.moe import AllToAll
-from services.engine_worker.model.sampler import sample
+from services.engine_worker.model.sampler import RowExtra, sample
 
 
 class TorchModelRunner:
@@ -76,9 +76,10 @@ class TorchModelRunner:
         hidden = self.model(ids, layout, self.cache)
         return hidden[layout.last_index]
 
-    def run(self, chunks: list[ChunkInput]) -> dict[str, int]:
+    def run(self, chunks: list[ChunkInput], extras: dict[str, RowExtra] | None = None) -> dict[str, int]:
         """Compute the chunks (prefill and decode mixed), writing their K/V into the paged
         cache, and return {seq_id: next_token} for chunks with sample=True.
+        ``extras`` adds top_k, min_p and penalties to the sequences it names (sampler.py).
         ``run([])`` is an idle forward: zero tokens, but it joins every collective."""
         last = self._last_hidden(chunks)
         picked = [i for i, c in enumerate(chunks) if c.sample]
@@ -88,7 +89,8 @@ class TorchModelRunner:
             logits = self.model.compute_logits(last[picked])
         sel = [chunks[i] for i in picked]
         tokens = sample(logits, [c.temperature for c in sel], [c.top_p for c in sel],
-                        [c.seed for c in sel], [c.context_len for c in sel])
+                        [c.seed for c in sel], [c.context_len for c in sel],
+                        [extras.get(c.seq_id) for c in sel] if extras else None)
         return {c.seq_id: t for c, t in zip(sel, tokens)}
 
     def logits(self, chunks: list[ChunkInput]) -> dict[str, torch.Tensor]:

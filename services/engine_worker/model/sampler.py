@@ -7,11 +7,20 @@ by inverse-CDF with a uniform number derived from (seed, position) by splitmix64
 draw never depends on which other requests share the batch, on the rank, or on any global
 RNG state; seed None draws from the process RNG (nondeterministic by design).
 The math runs in float64, row by row in effect, so a row's result cannot depend on others.
+
+Optional per-row ``RowExtra`` (vLLM's semantics), applied in this order:
+penalties on the raw logits (greedy rows too): repetition_penalty over prompt + output
+tokens (a positive logit is divided by it, a negative one multiplied), then
+frequency_penalty x count and presence_penalty x (count > 0) subtracted, counts over the
+output tokens; then, for sampled rows, after the temperature: top_k (keep the k most
+likely; <= 0 keeps all), min_p (keep tokens with probability >= min_p x the largest), then
+top_p over the mass of what those kept.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,13 +40,55 @@ def seeded_uniform(seed: int, position: int) -> float:
     return (z >> 11) * (1.0 / (1 << 53))
 
 
+@dataclass(slots=True)
+class RowExtra:
+    """A row's sampling beyond temperature/top_p/seed (all neutral by default)."""
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    prompt: list[int] = field(default_factory=list)     # for repetition_penalty
+    output: list[int] = field(default_factory=list)     # tokens generated so far
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _penalize(row: torch.Tensor, e: RowExtra) -> torch.Tensor:
+    V = row.shape[0]
+    row = row.double()
+    if e.repetition_penalty != 1.0:
+        seen = torch.zeros(V, dtype=torch.bool, device=row.device)
+        ids = [t for t in (*e.prompt, *e.output) if 0 <= t < V]
+        if ids:
+            seen[torch.tensor(ids, device=row.device)] = True
+        rp = e.repetition_penalty
+        row = torch.where(seen, torch.where(row > 0, row / rp, row * rp), row)
+    if e.output and (e.frequency_penalty or e.presence_penalty):
+        counts = torch.bincount(torch.tensor([t for t in e.output if 0 <= t < V], dtype=torch.long,
+                                             device=row.device), minlength=V)[:V].double()
+        row = row - e.frequency_penalty * counts - e.presence_penalty * (counts > 0).double()
+    return row
+
+
 def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
-           seeds: list[int | None], positions: list[int]) -> list[int]:
+           seeds: list[int | None], positions: list[int],
+           extras: list[RowExtra | None] | None = None) -> list[int]:
     """logits [B, V] -> one token id per row. ``positions[i]`` is the position the sampled
-    token will occupy in its sequence (its index counting from 0)."""
+    token will occupy in its sequence (its index counting from 0). ``extras[i]``, when
+    given and not None, adds top_k, min_p and the penalties to row i."""
     B, V = logits.shape
     if not (len(temperatures) == len(top_ps) == len(seeds) == len(positions) == B):
         raise ValueError("sample() needs one temperature, top_p, seed and position per row")
+    if extras is not None and len(extras) != B:
+        raise ValueError("sample() needs one extra (or None) per row")
+    if extras is not None and any(e is not None and e.penalized for e in extras):
+        logits = logits.double().clone()
+        for i, e in enumerate(extras):
+            if e is not None and e.penalized:
+                logits[i] = _penalize(logits[i], e)
     out = logits.argmax(dim=-1).tolist() if B else []
     rows = [i for i in range(B) if temperatures[i] > 0]
     if not rows:
@@ -50,8 +101,27 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
 
     probs = torch.softmax(logits[idx].double() / temp[:, None], dim=-1)
     p_sorted, tok_sorted = probs.sort(dim=-1, descending=True, stable=True)
-    mass_before = p_sorted.cumsum(-1) - p_sorted
-    keep = mass_before < top_p[:, None]
+    if extras is not None and any(extras[i] is not None and (extras[i].top_k > 0 or extras[i].min_p > 0)
+                                  for i in rows):
+        # top_k and min_p first; top_p then measures the mass of what they kept (as vLLM).
+        rank = torch.arange(V, device=logits.device)
+        cut = torch.ones_like(p_sorted, dtype=torch.bool)
+        for j, i in enumerate(rows):
+            e = extras[i]
+            if e is None:
+                continue
+            if e.top_k > 0:
+                cut[j] &= rank < e.top_k
+            if e.min_p > 0:
+                cut[j] &= p_sorted[j] >= e.min_p * p_sorted[j, 0]
+        cut[:, 0] = True
+        p_sorted = torch.where(cut, p_sorted, 0.0)
+        p_norm = p_sorted / p_sorted.sum(-1, keepdim=True)
+        mass_before = p_norm.cumsum(-1) - p_norm
+        keep = (mass_before < top_p[:, None]) & cut
+    else:
+        mass_before = p_sorted.cumsum(-1) - p_sorted
+        keep = mass_before < top_p[:, None]
     keep[:, 0] = True                                    # the most likely token always stays
     p_sorted = torch.where(keep, p_sorted, 0.0)
     cdf = p_sorted.cumsum(-1)
