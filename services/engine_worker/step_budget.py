@@ -9,9 +9,9 @@ cap its own prefill so that ``decode + prefill <= T``. Big prefills then spread 
 several steps in which the other ranks compute about as much, instead of one step in which
 they idle.
 
-Pure: no I/O, no clock; the same function runs in the simulator (services/simulator/
-engine_model.py) and in the live worker, and every rank gets the same answer because it
-reads the same rows.
+Pure: no I/O, no clock; the same functions run in the live worker and the simulator (both
+through services/engine_worker/rank_step.py), and every rank gets the same answer because
+it reads the same rows.
 
 Inputs per rank ``r`` (one row of the step collective)
 ------------------------------------------------------
@@ -41,21 +41,13 @@ Rule (``shared_budget``)
 Each rank then computes ``allowed(decode[r], tokens[r], T) = min(tokens[r], max(decode[r],
 T))`` tokens: all its decodes and ``min(avail, T - decode)`` prefill tokens.
 
-Live worker integration (one step; the simulator's engine_model does the same)
-------------------------------------------------------------------------------
-1. ``plan = core.schedule(gate)`` as today (unconstrained, ``max_num_batched_tokens``);
-2. ``must = must_tokens(plan.decode_tokens, pending, now_ms, last_step_ms, cfg)`` with
-   ``pending`` = ``(since_ms, seq.pending_prefill())`` for the running sequences still
-   prefilling (admission order), then the waiting ones FCFS that the gate lets through,
-   ``since_ms`` = when the sequence was added to this rank (monotonic ms);
-3. row += ``F_DECODE = plan.decode_tokens``, ``F_MUST = must`` (``F_TOKENS`` unchanged);
-4. exchange; ``T = shared_budget(view.column(F_DECODE), view.column(F_TOKENS),
-   view.column(F_MUST), cfg)`` — the same on every rank;
-5. ``trim_plan(plan, allowed(plan.decode_tokens, plan.num_tokens, T))``, and overwrite the
-   view's ``F_TOKENS`` column with ``allowed_all(...)`` before ``view.action(rank)`` and
-   ``view.max_tokens`` (the sim backend's modeled step), so RUN / IDLE / HOLD follow the
-   budgeted tokens (a rank cut to 0 tokens runs an idle forward);
-6. then the batch gate's ``after_exchange`` and the forward as today.
+Where it runs
+-------------
+services/engine_worker/rank_step.py (``RankStep``) builds each rank's row and applies the
+budget after the exchange, in the live worker and in the simulator alike. With
+``min_balance > 0`` (the default engine settings) it uses :func:`balanced_budget` (the
+largest budget most ranks can fill) instead of the water level of rule 1, with a bounded
+hold (``max_hold_steps``) and deadlines scaled by the prefill pending on the other ranks.
 
 The budget never changes which sequences run, only how many prefill tokens each computes
 this step: continuing prefills first, then admissions FCFS (the order of the engine's
@@ -217,23 +209,4 @@ def trim_plan(plan: Any, limit: int) -> Any:
             plan.dropped.append(ch.seq_id)
     keep.reverse()
     plan.set_prefill(keep)
-    return plan
-    chunks = plan.chunks
-    nd = plan.decode_tokens            # the scheduler appends the decode chunks first
-    keep = []
-    for k in range(len(chunks) - 1, -1, -1):
-        ch = chunks[k]
-        if excess <= 0 or k < nd:
-            keep.append(ch)
-            continue
-        cut = min(excess, ch.num_tokens)
-        excess -= cut
-        plan.prefill_tokens -= cut
-        if cut < ch.num_tokens:
-            keep.append(replace(ch, token_ids=ch.token_ids[:ch.num_tokens - cut], sample=False))
-        else:
-            plan.dropped.append(ch.seq_id)
-    keep.reverse()
-    plan.chunks = keep
-    plan.max_context = max((c.context_len for c in keep), default=0)
     return plan

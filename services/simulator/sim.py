@@ -9,7 +9,8 @@ Virtual clock (seconds). Components and the hops between them, each a modeled la
     rank stats (end of step) --stats--> StepAggregator --publish--> every dispatcher's policy
 
 Engines read their inboxes at step boundaries (a request that lands just after a step began
-waits for the next boundary) and run in lockstep (engine_model.EngineGroup). The policies
+waits for the next boundary) and run in lockstep (engine_group.EngineGroup: every rank is
+the live engine's RankStep). The policies
 are the project's own objects (``make_policy``) or the baseline classes, driven through the
 protocols of shared/policy/base.py; snapshots come from the project's StepAggregator
 (``min_interval_s`` gives the peers' publication cadence). Everything is a pure function of
