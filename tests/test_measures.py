@@ -164,17 +164,16 @@ def test_watch_measures_without_work_are_null():
 
 def test_goal_lines_say_no_data():
     from services.simulator import bench_table
-    from services.simulator.baselines import policy_specs
 
-    own = next(n for n, s in policy_specs().items() if s.lockstep and n != "round_robin")
-    base = next(n for n, s in policy_specs().items() if not s.lockstep)
-    none = {"balance_ratio": None, "idle_forward_fraction": None, "efficiency_vs_ideal": None,
-            "ttft_p99_ms": None}
-    lines = bench_table.goals({"policies": {own: dict(none), base: dict(none)}})
-    text = "\n".join(lines)
-    assert "- balance_ratio: no data (goal >= 0.95) — NOT met" in text
-    assert "- idle_forward_fraction: no data" in text and "- efficiency_vs_ideal: no data" in text
-    assert "TTFT p99: no data vs best baseline no data — NOT met" in text
+    none = {"throughput_tok_s": None, "efficiency_vs_ideal": None, "ttft_p99_ms": None, "itl_p99_ms": None}
+    doc = {"default": "default", "points": [
+        {"load": 0.5, "policies": {"default": dict(none), "vllm": dict(none)}},
+        {"load": 1.0, "policies": {"default": dict(none), "vllm": dict(none)}}]}
+    text = "\n".join(bench_table.goal_lines(doc))
+    assert "throughput no data vs best peer vllm no data — NOT met" in text
+    assert "TTFT p99 no data vs best vllm no data — NOT met" in text
+    assert "efficiency no data (goal >= 0.95) — NOT met" in text
+    assert "ITL p99 no data vs no data — NOT met" in text
 
 
 def test_lockstep_bench_json_without_step_stats_exits_1_with_error(monkeypatch):

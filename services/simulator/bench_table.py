@@ -62,30 +62,42 @@ def sweep_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _num(v: Any, fmt: str) -> str:
+    return "no data" if v is None else format(v, fmt)
+
+
 def goal_lines(doc: dict[str, Any]) -> list[str]:
-    """Issue #13's criteria on one sweep, each stated met or NOT met (never asserted)."""
+    """Issue #13's criteria on one sweep, each stated met or NOT met (never asserted).
+    A figure with no data is never met."""
     d = doc.get("default")
     out = []
+    inf = float("inf")
     for p in doc["points"]:
         pol = p["policies"]
         me = pol[d]
         peers = {n: v for n, v in pol.items() if n != d and n not in NOT_GOALS and n not in ("least_score",)}
         best_tp = max(peers.items(), key=lambda kv: kv[1]["throughput_tok_s"] or 0)
-        best_tt = min(peers.items(), key=lambda kv: kv[1]["ttft_p99_ms"] if kv[1]["ttft_p99_ms"] is not None else 1e18)
-        best_itl = min(peers.items(), key=lambda kv: kv[1]["itl_p99_ms"] if kv[1]["itl_p99_ms"] is not None else 1e18)
-        ok_tp = (me["throughput_tok_s"] or 0) >= (best_tp[1]["throughput_tok_s"] or 0)
-        parts = [f"throughput {me['throughput_tok_s']:,.0f} vs best peer {best_tp[0]} "
-                 f"{best_tp[1]['throughput_tok_s']:,.0f} tok/s — {'met' if ok_tp else 'NOT met'}"]
+        best_tt = min(peers.items(), key=lambda kv: kv[1]["ttft_p99_ms"] if kv[1]["ttft_p99_ms"] is not None else inf)
+        best_itl = min(peers.items(), key=lambda kv: kv[1]["itl_p99_ms"] if kv[1]["itl_p99_ms"] is not None else inf)
+        tp, btp = me["throughput_tok_s"], best_tp[1]["throughput_tok_s"]
+        ok_tp = tp is not None and tp >= (btp or 0)
+        parts = [f"throughput {_num(tp, ',.0f')} vs best peer {best_tp[0]} {_num(btp, ',.0f')}"
+                 f"{'' if btp is None else ' tok/s'} — {'met' if ok_tp else 'NOT met'}"]
         if p["load"] >= 1.0:
-            eff = me["efficiency_vs_ideal"] or 0
-            parts.append(f"efficiency {eff:.3f} (goal >= 0.95) — {'met' if eff >= 0.95 else 'NOT met'}")
+            eff = me["efficiency_vs_ideal"]
+            parts.append(f"efficiency {_num(eff, '.3f')} (goal >= 0.95) — "
+                         f"{'met' if eff is not None and eff >= 0.95 else 'NOT met'}")
         if p["load"] <= 0.8:
-            ok = (me["ttft_p99_ms"] or 1e18) <= (best_tt[1]["ttft_p99_ms"] or 1e18)
-            parts.append(f"TTFT p99 {me['ttft_p99_ms'] / 1000:.2f} s vs best {best_tt[0]} "
-                         f"{best_tt[1]['ttft_p99_ms'] / 1000:.2f} s — {'met' if ok else 'NOT met'}")
+            tt, btt = me["ttft_p99_ms"], best_tt[1]["ttft_p99_ms"]
+            ok = tt is not None and tt <= (btt if btt is not None else inf)
+            parts.append(f"TTFT p99 {_num(None if tt is None else tt / 1000, '.2f')}{'' if tt is None else ' s'} vs best "
+                         f"{best_tt[0]} {_num(None if btt is None else btt / 1000, '.2f')}{'' if btt is None else ' s'}"
+                         f" — {'met' if ok else 'NOT met'}")
         # at the 1 ms the table shows: a 0.04 ms difference of 132 ms steps is no difference
-        ok_itl = round(me["itl_p99_ms"] or 1e18) <= round(best_itl[1]["itl_p99_ms"] or 1e18)
-        parts.append(f"ITL p99 {me['itl_p99_ms']:.0f} vs {best_itl[1]['itl_p99_ms']:.0f} ms — {'met' if ok_itl else 'NOT met'}")
+        it, bit = me["itl_p99_ms"], best_itl[1]["itl_p99_ms"]
+        ok_itl = it is not None and (bit is None or round(it) <= round(bit))
+        parts.append(f"ITL p99 {_num(it, '.0f')} vs {_num(bit, '.0f')}{'' if bit is None else ' ms'} — "
+                     f"{'met' if ok_itl else 'NOT met'}")
         out.append(f"- load {p['load']:g}: " + "; ".join(parts))
     return out
 
