@@ -57,6 +57,18 @@ def test_a_held_request_is_released_by_the_bound_even_if_the_view_never_changes(
     assert [a.rank for a in out] == [0] and p.stats()["released_by_bound"] == 1
 
 
+def test_polling_at_next_deadline_always_releases():
+    """Regression: poll(next_deadline()) must release the held request. With the bound
+    computed as now - t0 >= max_hold_s, float rounding ((t0 + 5) - t0 < 5) kept it held
+    and the caller polled again at the same instant forever (a simulator hang)."""
+    for t0 in (60.398252889171125, 11.55581805922733, 6.2964790047645325, 0.1):
+        p = make_policy("waterfill", ranks=[0, 1], level_tokens=1, max_hold_s=5.0)
+        p.on_snapshot(_snap([5000, 6000]))
+        assert p.submit(_req(1), t0) == []
+        d = p.next_deadline()
+        assert [a.request_id for a in p.poll(d)] == ["1"], t0
+
+
 def test_drop_and_bounded_queue():
     p = make_policy("waterfill", ranks=[0], level_tokens=1, max_held=2)
     p.on_snapshot(_snap([10]))

@@ -100,7 +100,7 @@ class WaterFill(_LocalViewPolicy):
         while q:
             best = min(scores)
             req, t0 = q[0]
-            bound = now - t0 >= self.max_hold_s
+            bound = now >= t0 + self.max_hold_s    # the very expression next_deadline returns
             if best >= self.level and not bound:
                 break
             q.popleft()
