@@ -166,12 +166,13 @@ class EngineScheduler:
         """(outstanding_tokens(), prefill tokens not yet computed) in one pass."""
         total = pending = 0
         for s in self.waiting:
-            pending += s.num_tokens
-            total += s.remaining_output
+            n = len(s.generated)
+            pending += len(s.prompt) + n
+            total += s.params.max_tokens - n
         for s in self.running:
             if s.num_computed_tokens < s.prefill_target:
                 pending += s.prefill_target - s.num_computed_tokens
-            total += s.remaining_output
+            total += s.params.max_tokens - len(s.generated)
         return total + pending, pending
 
     def get(self, seq_id: str) -> Sequence | None:
@@ -363,10 +364,15 @@ class EngineScheduler:
             if tok is None:
                 raise KeyError(f"the model runner returned no token for {seq.id!r}")
             gen.append(tok)
-            reason = reason_of(seq, tok)
+            params = seq.params
+            n = len(gen)
+            if tok != EOS and seq.stop_checker is None and n < params.max_tokens:
+                reason = None                  # the common case, without a call
+            else:
+                reason = reason_of(seq, tok)
             pos = seq.streamed
-            outs.append(Output(seq, gen[pos:], pos, reason))
-            seq.streamed = len(gen)
+            outs.append(Output(seq, [tok] if pos == n - 1 else gen[pos:], pos, reason))
+            seq.streamed = n
             if reason is not None:
                 self._finish(seq, reason, now)
                 finished = True
