@@ -211,3 +211,32 @@ def test_cli_rejects_unknown_policy():
 
     res = CliRunner().invoke(app, ["simulate", "--policies", "nope", "--requests", "5"])
     assert res.exit_code == 2
+
+
+def test_a_policy_that_never_releases_at_its_deadline_fails_instead_of_hanging():
+    tr = workload.generate("poisson", 5, 10.0, 1, api_servers=1)
+
+    class Stuck:
+        def __init__(self, **kw):
+            pass
+
+        def set_ranks(self, ranks):
+            pass
+
+        def on_snapshot(self, snap):
+            pass
+
+        def submit(self, req, now):
+            return []
+
+        def poll(self, now):
+            return []
+
+        def next_deadline(self):
+            return 0.0
+
+    cfg = sim.SimConfig(ranks=2, api_servers=1)
+    import dataclasses
+    spec = dataclasses.replace(sim.resolve_policies("round_robin", cfg)[0], factory=lambda **kw: Stuck())
+    with pytest.raises(RuntimeError, match="released nothing at its own deadline"):
+        sim.run_policy(tr, spec, cfg)

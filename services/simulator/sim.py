@@ -261,8 +261,13 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
         elif kind == POLL:
             if poll_armed[a] == t:
                 poll_armed[a] = None
-                for asg in pols[a].poll(t):
+                released = pols[a].poll(t)
+                for asg in released:
                     send(asg, t, lat_a2r if n_disp > 1 else lat_s2r)
+                d = pols[a].next_deadline()
+                if not released and d is not None and d <= t:
+                    # it would be polled again at this instant forever: fail, never hang
+                    raise RuntimeError(f"{spec.name}: released nothing at its own deadline {d!r} (t={t!r})")
                 arm_poll(a)
         elif kind == AGG_TICK:
             if agg_armed[0] == t:
