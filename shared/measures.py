@@ -58,9 +58,10 @@ def step_balance(tokens: Sequence[int] | np.ndarray) -> float | None:
     return float(row.mean() / mx)
 
 
-def balance_ratio(scheduled: Sequence[Sequence[int]] | np.ndarray) -> float | None:
+def balance_ratio(scheduled: Sequence[Sequence[int]] | np.ndarray, weighted: bool = True) -> float | None:
     """Token-weighted mean of per-step balance over steps with any work (steps x ranks);
-    None when no step had work."""
+    None when no step had work. ``weighted=False``: the plain mean over those steps
+    (TensorRT-LLM's blog reports that one)."""
     m = _as_matrix(scheduled)
     if m.size == 0:
         return None
@@ -69,6 +70,8 @@ def balance_ratio(scheduled: Sequence[Sequence[int]] | np.ndarray) -> float | No
     if not work.any():
         return None
     m, mx = m[work], mx[work]
+    if not weighted:
+        return float((m.mean(axis=1) / mx).mean())
     total = m.sum(axis=1)
     ratio = m.mean(axis=1) / mx
     return float((ratio * total).sum() / total.sum())

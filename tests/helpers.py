@@ -41,3 +41,16 @@ async def wait_until(pred: Callable[[], Awaitable[T]], timeout: float = 10.0, in
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s (last value {value!r})")
         await asyncio.sleep(interval)
+
+
+def poll_until(pred: Callable[[], T], timeout: float, what: str = "condition", interval: float = 0.05) -> T:
+    """Call ``pred`` (synchronously) until it returns a truthy value; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout}s (last value {value!r})")
+        time.sleep(interval)
+

@@ -11,6 +11,8 @@ import time
 import uuid
 
 import pytest
+
+from tests.helpers import poll_until
 import redis
 
 from services.admin import healthcheck
@@ -26,14 +28,7 @@ pytestmark = [pytest.mark.timeout(60)]
 
 
 def _wait(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s (last value {value!r})")
-        time.sleep(0.02)
+    return poll_until(pred, timeout, what, interval=0.02)
 
 
 def test_lease_scripts_are_fenced_by_token(redis_url, namespace):

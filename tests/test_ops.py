@@ -15,6 +15,8 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import poll_until
+
 from shared.keys import Keys
 from shared.redis_server import free_port
 from tests.conftest import ROOT, Cluster, start_cluster
@@ -25,14 +27,7 @@ MODEL = "lockstep-moe"
 
 def poll(pred, timeout: float = 15.0, interval: float = 0.1):
     """Call ``pred`` until it returns a truthy value; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s (last value {value!r})")
-        time.sleep(interval)
+    return poll_until(pred, timeout, "condition", interval)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import httpx
 import pytest
+
+from tests.helpers import poll_until
 import redis
 
 from shared.keys import Keys
@@ -25,14 +26,7 @@ RANKS = 2
 
 
 def _poll(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s (last value {value!r})")
-        time.sleep(0.05)
+    return poll_until(pred, timeout, what, interval=0.05)
 
 
 async def _pinned_round(url: str, tag: str, bound_s: float, ranks: list[int]) -> None:

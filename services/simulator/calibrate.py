@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from shared import measures
 from shared.cost_model import CostModel
 from services.simulator import profile as profile_mod
 from services.simulator import workload as workload_mod
@@ -51,16 +52,9 @@ POLICIES = tuple(p for p, *_ in BLOG_ROWS.values()) + EXTRA
 
 
 def blog_balance(scheduled: np.ndarray) -> float | None:
-    """The blog's Avg Balance Ratio: unweighted mean over iterations with work of
-    mean(tokens over ranks) / max(tokens over ranks)."""
-    m = np.asarray(scheduled, dtype=np.float64)
-    if m.size == 0:
-        return None
-    mx = m.max(axis=1)
-    work = mx > 0
-    if not work.any():
-        return None
-    return float((m[work].mean(axis=1) / mx[work]).mean())
+    """The blog's Avg Balance Ratio: the unweighted mean over iterations with work of
+    mean/max tokens across ranks (shared/measures.py, ``weighted=False``)."""
+    return measures.balance_ratio(scheduled, weighted=False)
 
 
 def _ratios(r: RunResult) -> np.ndarray:

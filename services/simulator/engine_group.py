@@ -121,7 +121,6 @@ class EngineGroup:
         self.done = 0
         self.delivered = 0
         self.holds = 0
-        self._last: list[Any] = [None] * ranks    # (plan, row) of each rank's last step
 
     # ------------------------------------------------------------------ inputs
     def deliver(self, asg: Assignment | None, i: int, r: int | None = None) -> None:
@@ -160,9 +159,6 @@ class EngineGroup:
             self.finish_t[i] = now
             self.done += 1
         return rejected
-
-    def has_inbox(self) -> bool:
-        return any(self.inbox)
 
     # ------------------------------------------------------------------ peers' gates / binding
     def gate_view(self, now: float) -> Any:
@@ -265,7 +261,6 @@ class EngineGroup:
         for i in finished:
             self.finish_t[i] = t_end
         self.done += len(finished)
-        self._last = list(zip(plans, actions))
         return StepOut(dur, sched, pf, dec, idle, finished, firsts)
 
     # ------------------------------------------------------------------ stats
@@ -286,9 +281,6 @@ class EngineGroup:
                 core.kv_used, core.kv_total, outstanding, idle[r],
                 dur_ms, t, 0, sum(1 for q in core.waiting if q.held), dict(self.recv[r]), extra, pending))
         return stats
-
-    def next_deadline(self) -> float | None:
-        return None
 
     @property
     def preemptions(self) -> int:
