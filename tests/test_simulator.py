@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from services.admin.simulate_cmd import register
 from services.simulator import runner, sim, workload
 from services.simulator.baselines import POLICY_NAMES
-from services.engine_worker.lockstep import Action
+from services.engine_worker.step_view import Action
 from services.simulator.engine_group import EngineConfig, EngineGroup
 from shared.cost_model import CostModel
 from shared.policy.base import Assignment

@@ -13,7 +13,7 @@ from services.engine_worker.scheduler import StepPlan
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, must_tokens,
                                                 shared_budget, trim_plan)
 from services.simulator import runner
-from services.engine_worker.lockstep import Action
+from services.engine_worker.step_view import Action
 from services.engine_worker.sequence import Sequence
 from services.simulator.engine_group import EngineConfig, EngineGroup
 from shared.messages import SamplingParams

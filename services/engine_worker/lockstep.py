@@ -11,27 +11,15 @@ from __future__ import annotations
 
 import datetime
 import gc
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-# Columns of the step tensor.
-F_HAS_WORK = 0       # rank has waiting or running sequences
-F_TOKENS = 1         # tokens it will compute this step
-F_MAX_CTX = 2        # largest context it attends over (cost model)
-F_GATE = 3           # staggered batches: highest batch whose share fully arrived here
-F_GATE_HELD = 4      # oldest batch whose prefill this rank still holds (0 = none)
-F_RELEASE = 5        # rank 0 only: release held batches up to this one (shared timeout)
-F_STOP = 6           # rank is shutting down: the group must stop together
-F_DECODE = 7         # token alignment: decode tokens among F_TOKENS (never held back)
-F_MUST = 8           # token alignment: tokens this rank's prefill deadlines need this step
-F_ALIGN = 9          # token alignment enabled here (applied only when every rank has it)
-F_QUEUED = 10        # token alignment: prefill tokens pending on this rank (the group's backlog)
-F_FORCED = 11        # token alignment: this rank's prefill was held max_hold_steps in a row: it runs
-FIELDS = 12
+from services.engine_worker.step_view import FIELDS, Action, StepView
+
+# The row layout and the decision are pure (step_view); Action stays importable from here.
+__all__ = ["FIELDS", "Action", "StepView", "GroupBroken", "collective", "LockstepGroup"]
 
 
 class GroupBroken(RuntimeError):
@@ -54,67 +42,6 @@ def collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     except Exception as exc:  # noqa: BLE001 - see the docstring
         error = f"{exc.__class__.__name__}: {exc}"
     raise GroupBroken(error)
-
-
-class Action(Enum):
-    RUN = "run"          # compute my tokens
-    IDLE = "idle"        # I have nothing, others do: join the collectives with zero tokens
-    HOLD = "hold"        # work exists but all of it is held by the batch gate: no forward
-    PAUSE = "pause"      # nobody has work: everyone sleeps until work arrives anywhere
-    STOP = "stop"        # a rank is leaving: everyone stops
-
-
-@dataclass(slots=True)
-class StepView:
-    """What one step's collective told every rank. ``memo`` holds per-step results that
-    are a pure function of the rows (computed once, whichever rank asks first)."""
-
-    rows: list[list[int]]
-    memo: dict[str, Any] = field(default_factory=dict)
-
-    def _summary(self) -> tuple[bool, bool, int]:
-        s = self.memo.get("summary")
-        if s is None:
-            rows = self.rows
-            s = self.memo["summary"] = (any(r[F_STOP] for r in rows),
-                                        any(r[F_HAS_WORK] or r[F_TOKENS] for r in rows),
-                                        max(r[F_TOKENS] for r in rows))
-        return s
-
-    @property
-    def any_work(self) -> bool:
-        return self._summary()[1]
-
-    @property
-    def max_tokens(self) -> int:
-        return self._summary()[2]
-
-    @property
-    def max_ctx(self) -> int:
-        return max(r[F_MAX_CTX] for r in self.rows)
-
-    def column(self, field: int) -> list[int]:
-        """One field of every row (computed once per view; do not modify the list)."""
-        col = self.memo.get(field)
-        if col is None:
-            col = self.memo[field] = [r[field] for r in self.rows]
-        return col
-
-    def set_column(self, field: int, values: list[int]) -> None:
-        for row, v in zip(self.rows, values):
-            row[field] = v
-        self.memo.pop("summary", None)
-        self.memo.pop(field, None)
-
-    def action(self, rank: int) -> Action:
-        stop, any_work, max_tokens = self._summary()
-        if stop:
-            return Action.STOP
-        if not any_work:
-            return Action.PAUSE
-        if max_tokens == 0:
-            return Action.HOLD
-        return Action.RUN if self.rows[rank][F_TOKENS] > 0 else Action.IDLE
 
 
 class LockstepGroup:

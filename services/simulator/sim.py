@@ -36,7 +36,7 @@ from shared.cost_model import CostModel
 from shared.policy.aggregator import StepAggregator
 from shared.policy.base import RequestInfo
 from services.simulator.baselines import PolicySpec, policy_specs
-from services.engine_worker.lockstep import Action
+from services.engine_worker.step_view import Action
 from services.simulator.engine_group import EngineConfig, EngineGroup, StepOut
 from services.simulator.workload import Trace
 from services.engine_worker.step_budget import BudgetConfig
