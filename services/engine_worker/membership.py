@@ -353,6 +353,14 @@ class GroupMembership:
                 # Only when the whole group stops: a rank 0 that leaves alone (lost the
                 # group, killed) keeps ``ran`` there, so a spare may take its slot.
                 pipe.delete(self.keys.dist)
+            if getattr(self, "leaving", False) and not getattr(self, "group_stopped", False):
+                # A planned leave (a rolling restart): a spare may take the slot now (the
+                # pop wakes it), and the drain was this process's: the slot's next owner
+                # gets work once the group re-forms. (The consumer is left for the
+                # scheduler to delete: if the hand-over failed it still holds entries.)
+                pipe.lpush(self.keys.vacancies, self.rank)
+                pipe.ltrim(self.keys.vacancies, 0, 63)
+                pipe.srem(self.keys.drained, self.rank)
             await pipe.execute()
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 import uuid
 from collections import defaultdict
@@ -31,6 +32,7 @@ from services.engine_worker.membership import ClaimFailed, GroupLost, GroupMembe
 from services.engine_worker.recv_marks import RecvMarks
 from services.engine_worker.batch_gate import BatchGate
 from services.engine_worker.lockstep import Action, GroupBroken, StepView
+from services.engine_worker.step_view import F_STOP
 from services.engine_worker.rank_step import RankStep
 from services.engine_worker.step_budget import BudgetConfig
 from services.engine_worker.scheduler import EngineScheduler
@@ -40,6 +42,9 @@ from shared import trace
 
 HOLD_POLL_MS = 2   # while every rank only has gated prefills: meet again this often (bounded by the gate timeout)
 
+# Values of the step row's F_STOP column.
+STOP_GROUP = 1     # this rank stops: the whole group stops together (SIGINT, `lockstep up` stopping)
+LEAVE = 2          # this rank leaves alone (SIGTERM): the others re-form without it
 
 class EngineWorker(GroupMembership):
     def __init__(self, settings: EngineSettings) -> None:
@@ -63,6 +68,10 @@ class EngineWorker(GroupMembership):
         self.stopping = asyncio.Event()
         self.cost = CostModel.load(settings.cost_model) if settings.cost_model else CostModel()
         self.core = EngineScheduler(
+        # SIGTERM: this rank leaves alone (hands its requests over, gives its slot back)
+        # while the others go on; SIGINT: the whole group stops together.
+        self.leaving = False
+        self.left = False                         # the group saw this rank leave (at a step)
             BlockManager(settings.num_kv_blocks, settings.block_size),
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len)
@@ -99,6 +108,9 @@ class EngineWorker(GroupMembership):
         if self.s.spare:
             self._preload_backend()
             rank = await retrying(self._wait_as_spare, log=self.log, what="spare")
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._on_leave_signal)
+        loop.add_signal_handler(signal.SIGINT, self._on_stop_signal)
             if rank is None:
                 await self.r.aclose()
                 return 0
@@ -134,12 +146,25 @@ class EngineWorker(GroupMembership):
             return 0
         finally:
             watcher.cancel()
+            if self.leaving and not self.group_stopped:
+                await self._hand_over()
             await asyncio.to_thread(liveness)   # its last beat lands before the alive key is dropped
             await self._release()
 
     def _preload_backend(self) -> None:
         """A spare imports what its backend needs before it waits: the weights depend on
         the rank it will take, the imports do not (and are most of a start-up)."""
+    def _on_leave_signal(self) -> None:
+        if not self.stopping.is_set():
+            self.leaving = True
+            self.log.warning("engine_leave_requested")
+        self.stopping.set()
+
+    def _on_stop_signal(self) -> None:
+        if not self.left:
+            self.leaving = False   # a group stop wins over a leave not yet taken
+        self.stopping.set()
+
         if self.s.backend == "torch":
             import services.engine_worker.model.runner  # noqa: F401
 
@@ -158,7 +183,9 @@ class EngineWorker(GroupMembership):
         while True:
             self._mark_progress()
             self._ingest()
-            plan, row = self.rs.plan(time.monotonic(), self.stopping.is_set())
+            plan, row = self.rs.plan(time.monotonic(), self.stopping.is_set() and not self.leaving)
+            if self.leaving:
+                row[F_STOP] = LEAVE
             if self._reform_requested:
                 self._reform_requested = False
                 if not await self._reform("a replacement rank joined"):
@@ -180,6 +207,18 @@ class EngineWorker(GroupMembership):
             action, released = self.rs.decide(plan, view, time.monotonic())
             if action is Action.STOP:
                 self.log.info("engine_stopping", wave=self.wave, step=self.step)
+            stops = view.column(F_STOP)
+            if LEAVE in stops and STOP_GROUP not in stops:
+                # Every rank sees the same rows: the leavers go, the others re-form now
+                # (and meet the slot's next owner) instead of waiting out a collective.
+                leavers = [i for i, v in enumerate(stops) if v == LEAVE]
+                if self.rank in leavers:
+                    self.left = True
+                    self.log.warning("engine_leaving_group", wave=self.wave, step=self.step)
+                    return
+                if not await self._reform(f"rank(s) {leavers} left the group"):
+                    return
+                continue
                 self.group_stopped = True
                 return
             if action is Action.HOLD:
@@ -463,7 +502,57 @@ class EngineWorker(GroupMembership):
         pipe.xadd(self.keys.wave, {FIELD: dumps({"w": self.wave, "r": self.rank})},
                   maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
         pipe.delete(self.keys.paused)   # woken: a later dispatch must not send a notice too
-        await self._execute(pipe)
+        return pipe
+
+    # ------------------------------------------------------------------ leaving alone
+    async def _hand_over(self) -> None:
+        """Leaving alone (SIGTERM): what this rank still holds resumes on the others.
+
+        Handed over, not finished here: a leave is then bounded by one step, whatever the
+        requests' lengths (an orchestrator's grace period is seconds), and it is the path
+        a crashed rank's requests already take, so it is exact in the same way: every
+        delta this rank wrote precedes the resume notice in its api-server's stream, and
+        the api-server resubmits the request with exactly the tokens the client has, so
+        no token is lost or sent twice. The notices and the acks of each page go in one
+        MULTI (ack after durable); everything pending under this consumer is paged
+        through, including entries read but not yet admitted. Entries never read stay in
+        the inbox for the slot's next owner."""
+        try:
+            await self._flush_outputs()
+            n = await self._hand_over_pending()
+        except Exception as exc:  # noqa: BLE001 - what is left stays pending: recovery resumes it
+            self.log.error("hand_over_failed", error=str(exc)[:200])
+            return
+        self.log.warning("engine_left_group", handed_over=n, wave=self.wave, step=self.step)
+
+    async def _hand_over_pending(self) -> int:
+        inbox, start, n = self.keys.inbox(self.rank), "0", 0
+        while True:
+            resp = await retrying(lambda: self.r.xreadgroup(K.ENGINE_GROUP, self.consumer, {inbox: start},
+                                                            count=HAND_OVER_PAGE),
+                                  log=self.log, what="hand_over", give_up_s=HAND_OVER_GIVE_UP_S)
+            raw = _raw_entries(resp)
+            if not raw:
+                return n
+            start = raw[-1][0]
+            by_api: dict[str, list[str]] = defaultdict(list)
+            for _, _, doc in decode_entries([(inbox.encode(), [e for e in raw if e[1] is not None])]):
+                if doc.get("k") == "req":
+                    by_api[doc["api"]].append(doc["id"])
+
+            async def send() -> None:
+                pipe = self.r.pipeline(transaction=True)
+                for api, ids in by_api.items():
+                    pipe.xadd(self.keys.out(api), {FIELD: dumps({"k": "resume", "ids": ids})},
+                              maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
+                pipe.xack(inbox, K.ENGINE_GROUP, *[eid for eid, _ in raw])
+                await pipe.execute()
+            await retrying(send, log=self.log, what="hand_over", give_up_s=HAND_OVER_GIVE_UP_S)
+            n += sum(len(v) for v in by_api.values())
+
+
+HAND_OVER_PAGE = 500
+HAND_OVER_GIVE_UP_S = 20.0   # Redis down longer: leave anyway; the scheduler resumes what stays pending
 
 
 def _raw_entries(resp: Any) -> list[tuple[bytes, Any]]:
@@ -472,6 +561,10 @@ def _raw_entries(resp: Any) -> list[tuple[bytes, Any]]:
         return []
     items = resp.items() if isinstance(resp, dict) else resp
     out: list[tuple[bytes, Any]] = []
+            if self.stopping.is_set() and not notified and not self._reform_requested:
+                # Stopping or leaving while the group sleeps: the others must meet this
+                # rank's last step (where they learn it goes), not sleep on.
+                await self._execute(self._wake_notice())
     for _, entries in items:
         if entries and isinstance(entries[0], list) and not isinstance(entries[0][0], bytes):
             entries = entries[0]
@@ -480,6 +573,9 @@ def _raw_entries(resp: Any) -> list[tuple[bytes, Any]]:
 
 
 def main(settings: EngineSettings) -> int:
+        await self._execute(self._wake_notice())
+
+    def _wake_notice(self) -> Recorder:
     try:
         import uvloop
         uvloop.install()

@@ -33,6 +33,10 @@ class MoEConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def n_kv_heads(self) -> int:
+        return self.n_heads
+
     def experts_of_rank(self, rank: int, world_size: int) -> range:
         """Experts are sharded contiguously; rank r holds [r*E/W, (r+1)*E/W).
 

@@ -1,6 +1,6 @@
 """The paged KV cache and how one batch of chunks addresses it.
 
-Per layer, K and V are each ``[num_blocks, block_size, n_heads, head_dim]``. Token at
+Per layer, K and V are each ``[num_blocks, block_size, n_kv_heads, head_dim]``. Token at
 position p of a sequence lives in block ``block_table[p // block_size]``, row
 ``p % block_size``; flattened, that is the *slot* ``block * block_size + row``. Which
 blocks a sequence owns is decided by the engine's block manager, not here.
@@ -14,16 +14,17 @@ import torch
 
 from services.engine_worker.batch import ChunkInput
 from services.engine_worker.model.config import MoEConfig
+from services.engine_worker.model.hf_config import HFConfig
 
 
 class PagedKVCache:
-    def __init__(self, config: MoEConfig, num_blocks: int, block_size: int,
+    def __init__(self, config: MoEConfig | HFConfig, num_blocks: int, block_size: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (config.n_layers, 2, num_blocks, block_size, config.n_heads, config.head_dim)
+        shape = (config.n_layers, 2, num_blocks, block_size, config.n_kv_heads, config.head_dim)
         self.data = torch.zeros(shape, device=device, dtype=dtype)
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:

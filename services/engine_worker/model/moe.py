@@ -54,22 +54,23 @@ class AllToAll:
         self.calls += 1
 
 
-class MoELayer(nn.Module):
-    def __init__(self, cfg: MoEConfig, prefix: str, rank: int, world_size: int,
-                 comm: AllToAll | None, device: str | torch.device = "cpu") -> None:
+class ExpertParallelMoE(nn.Module):
+    """The dispatch/combine around any router (x -> (weights [T, k], ids [T, k])) and this
+    rank's experts (``experts[i]`` is global expert ``first_expert + i``)."""
+
+    def __init__(self, router: nn.Module, experts: nn.ModuleList, n_experts: int, top_k: int,
+                 first_expert: int, world_size: int, comm: AllToAll | None) -> None:
         super().__init__()
         if world_size > 1 and comm is None:
             raise ValueError("an expert-parallel MoE layer needs a communicator when world_size > 1")
-        self.top_k = cfg.top_k
-        self.n_experts = cfg.n_experts
+        self.top_k = top_k
+        self.n_experts = n_experts
         self.world_size = world_size
-        local = cfg.experts_of_rank(rank, world_size)
-        self.n_local = len(local)
-        self.first_expert = local.start
+        self.n_local = len(experts)
+        self.first_expert = first_expert
         self.comm = comm
-        self.router = Router(cfg, prefix, device)
-        # Only this rank's experts are materialized, under their global names.
-        self.experts = nn.ModuleList(ExpertFFN(cfg, f"{prefix}.experts.{e}", device) for e in local)
+        self.router = router
+        self.experts = experts
 
     def _run_local_experts(self, x: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """x holds rows grouped by local expert, ``per_expert[i]`` rows for expert i."""
@@ -107,3 +108,15 @@ class MoELayer(nn.Module):
         y_assign = torch.empty_like(y_sorted)
         y_assign[order] = y_sorted
         return (y_assign.view(T, k, d) * weights.to(x.dtype)[..., None]).sum(1)
+
+
+class MoELayer(ExpertParallelMoE):
+    """The bundled model's MoE layer: seeded router and experts."""
+
+    def __init__(self, cfg: MoEConfig, prefix: str, rank: int, world_size: int,
+                 comm: AllToAll | None, device: str | torch.device = "cpu") -> None:
+        local = cfg.experts_of_rank(rank, world_size)
+        # Only this rank's experts are materialized, under their global names.
+        super().__init__(Router(cfg, prefix, device),
+                         nn.ModuleList(ExpertFFN(cfg, f"{prefix}.experts.{e}", device) for e in local),
+                         cfg.n_experts, cfg.top_k, local.start, world_size, comm)

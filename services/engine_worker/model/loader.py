@@ -1,0 +1,93 @@
+"""Load a Hugging Face-format checkpoint directory onto one EP rank.
+
+The directory holds config.json, the weights (model.safetensors, or shards named by
+model.safetensors.index.json) and optionally generation_config.json. Tensors are read
+one at a time with safetensors' safe_open (memory-mapped), and only the ones this rank
+holds: the shared weights and its own experts; another rank's experts are never read.
+Nothing is downloaded: a missing file is an error that says what is missing."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from services.engine_worker.model.hf_config import HFConfig
+from services.engine_worker.model.moe import AllToAll
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def read_config(model_dir: str | Path) -> HFConfig:
+    d = Path(model_dir)
+    path = d / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --model needs a local Hugging Face checkpoint directory "
+                                "(config.json, *.safetensors, tokenizer.json); see README 'Real checkpoints'")
+    raw = json.loads(path.read_text())
+    gen = d / "generation_config.json"
+    if gen.is_file():     # the generation config's EOS list wins (chat models stop on more than one)
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            raw["eos_token_id"] = eos
+    return HFConfig.from_dict(raw)
+
+
+def tensor_files(model_dir: str | Path) -> dict[str, Path]:
+    """{tensor name: the safetensors file holding it}."""
+    d = Path(model_dir)
+    if (d / INDEX).is_file():
+        weight_map = json.loads((d / INDEX).read_text())["weight_map"]
+        return {name: d / f for name, f in weight_map.items()}
+    if (d / SINGLE).is_file():
+        from safetensors import safe_open
+        with safe_open(str(d / SINGLE), framework="pt") as f:
+            return {name: d / SINGLE for name in f.keys()}
+    raise FileNotFoundError(f"{d} has neither {INDEX} nor {SINGLE}")
+
+
+def load_weights(targets: dict[str, torch.Tensor], model_dir: str | Path) -> int:
+    """Copy each named tensor of the checkpoint into its target (casting to the target's
+    dtype and device). Returns the bytes read. Every target must be found, with its shape."""
+    from safetensors import safe_open
+
+    where = tensor_files(model_dir)
+    missing = sorted(n for n in targets if n not in where)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint {model_dir} lacks tensors {', '.join(missing[:5])}{more}")
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in targets:
+        by_file[where[name]].append(name)
+    read = 0
+    for path, names in sorted(by_file.items()):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in names:
+                t = f.get_tensor(name)
+                dest = targets[name]
+                if t.shape != dest.shape:
+                    raise ValueError(f"tensor {name} in {path.name} has shape {tuple(t.shape)}, "
+                                     f"the config implies {tuple(dest.shape)}")
+                with torch.no_grad():
+                    dest.copy_(t)
+                read += t.numel() * t.element_size()
+    return read
+
+
+def build_model(cfg: HFConfig, rank: int, world_size: int, comm: AllToAll | None, dtype: torch.dtype,
+                device: str | torch.device) -> nn.Module:
+    """The architecture's model file (qwen3_moe.py, mixtral.py, olmoe.py), parameters empty."""
+    module = importlib.import_module(f"services.engine_worker.model.{cfg.architecture}")
+    return module.build(cfg, rank, world_size, comm, dtype, device)
+
+
+def load_model(model_dir: str | Path, cfg: HFConfig, rank: int, world_size: int, comm: AllToAll | None,
+               dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    model = build_model(cfg, rank, world_size, comm, dtype, device)
+    model.bytes_read = load_weights(model.weight_names(), model_dir)
+    return model.eval()

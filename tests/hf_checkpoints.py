@@ -1,0 +1,99 @@
+"""Tiny random Hugging Face checkpoints, made at test time with transformers' own config
+classes and ``save_pretrained`` (sharded, so the index path is what gets loaded), plus a
+locally trained tokenizer with a chat template. Nothing is downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}{{ bos_token }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] | trim + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Lockstep balances load across data-parallel ranks of a mixture-of-experts model.",
+    "Every rank holds its own experts; tokens travel to them through an all-to-all.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "Straße, café, naïve, 東京, 😀 — multi-byte text must stream without broken characters.",
+    "def add(a, b):\n    return a + b\n",
+] * 4
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(out: Path, kind: str = "bytelevel", vocab_size: int = 384):
+    """A small BPE trained on CORPUS: ``bytelevel`` (GPT-2/Qwen style) or ``metaspace``
+    (Llama/Mistral style: ▁ for spaces, byte fallback). Saved as tokenizer.json and
+    tokenizer_config.json (with the chat template) through transformers."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if kind == "bytelevel":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        tok = Tokenizer(models.BPE(byte_fallback=True, unk_token=None))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+        bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS + bytes_)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def make_checkpoint(out: Path, arch: str, *, n_experts: int = 8, layers: int = 2, tokenizer: str | None = None,
+                    rope_scaling: dict | None = None, seed: int = 0, **overrides):
+    """A random ``arch`` model ('qwen3_moe', 'mixtral', 'olmoe') saved in ``out`` with a
+    tokenizer; returns the transformers model (fp32, eval) for reference forwards."""
+    import torch
+    from transformers import (GenerationConfig, MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+    out.mkdir(parents=True, exist_ok=True)
+    fast = make_tokenizer(out, tokenizer or ("metaspace" if arch == "mixtral" else "bytelevel"))
+    eos = fast.convert_tokens_to_ids("<|im_end|>")
+    common = dict(vocab_size=len(fast), hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, num_experts_per_tok=2, tie_word_embeddings=False,
+                  bos_token_id=fast.bos_token_id, eos_token_id=eos, pad_token_id=fast.pad_token_id)
+    if rope_scaling:
+        common["rope_scaling"] = rope_scaling
+    common.update(overrides)
+    if arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**{"head_dim": 16, "moe_intermediate_size": 24, "num_experts": n_experts,
+                                "norm_topk_prob": True, "decoder_sparse_step": 1, **common})
+        cls = Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        cfg = MixtralConfig(num_local_experts=n_experts, **common)
+        cls = MixtralForCausalLM
+    elif arch == "olmoe":
+        cfg = OlmoeConfig(num_experts=n_experts, **{"norm_topk_prob": False, **common})
+        cls = OlmoeForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():       # visible weights: the default init is tiny and near-uniform
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2 if p.dim() > 1 and "embed" not in name else 1.0)
+    model.save_pretrained(out, max_shard_size="64KB")
+    GenerationConfig(bos_token_id=fast.bos_token_id, eos_token_id=[eos, fast.convert_tokens_to_ids("<|endoftext|>")],
+                     pad_token_id=fast.pad_token_id).save_pretrained(out)
+    return model

@@ -1,0 +1,207 @@
+"""Real checkpoints: lockstep's Qwen3-MoE, Mixtral and OLMoE match transformers' own
+forward (fp32, atol 1e-4) on tiny random checkpoints made at test time, through the
+paged KV cache with chunked prefill and decode, on 1 rank and on 2 and 4 EP ranks
+(gloo, real all-to-alls); each rank reads only its own experts from the shards."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from services.engine_worker.batch import ChunkInput  # noqa: E402
+from services.engine_worker.model import TorchModelRunner  # noqa: E402
+from services.engine_worker.model.hf_config import HFConfig  # noqa: E402
+from services.engine_worker.model.loader import read_config, tensor_files  # noqa: E402
+from services.engine_worker.model.rope import inv_freq_and_scale  # noqa: E402
+from tests.hf_checkpoints import make_checkpoint  # noqa: E402
+
+ATOL = 1e-4
+BLOCK = 4
+ARCHS = ["qwen3_moe", "mixtral", "olmoe"]
+
+
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _prompt(vocab: int, n: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, object]]:
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {a: (root / a, make_checkpoint(root / a, a)) for a in ARCHS}
+    # Qwen3 with a dense layer (mlp_only_layers) and YaRN rope scaling, Mixtral with llama3-style scaling
+    out["qwen3_moe_dense_yarn"] = (root / "qy", make_checkpoint(
+        root / "qy", "qwen3_moe", layers=3, mlp_only_layers=[1],
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}))
+    out["mixtral_linear"] = (root / "ml", make_checkpoint(
+        root / "ml", "mixtral", rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    return out
+
+
+@pytest.mark.parametrize("name", ARCHS + ["qwen3_moe_dense_yarn", "mixtral_linear"])
+def test_one_rank_chunked_prefill_and_decode_match_transformers(checkpoints, name):
+    path, ref = checkpoints[name]
+    runner = TorchModelRunner.from_pretrained(str(path), 0, 1, num_kv_blocks=24, block_size=BLOCK)
+    assert runner.dtype == torch.float32
+    vocab = ref.config.vocab_size
+    prompt = _prompt(vocab, 21, 1)
+    want = reference_logits(ref, prompt)
+    table = [9, 2, 17, 11, 5, 20]                       # non-contiguous blocks for 24 positions
+    other = _prompt(vocab, 5, 2)
+    # chunked prefill 0..8 then 9..17 beside another sequence, then decode 18, 19, 20
+    got = runner.logits([ChunkInput("s", prompt[:9], 0, table, False)])
+    torch.testing.assert_close(got["s"], want[8], atol=ATOL, rtol=0)
+    got = runner.logits([ChunkInput("o", other, 0, [1, 3], False), ChunkInput("s", prompt[9:18], 9, table, False)])
+    torch.testing.assert_close(got["s"], want[17], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got["o"], reference_logits(ref, other)[-1], atol=ATOL, rtol=0)
+    for p in range(18, 21):
+        got = runner.logits([ChunkInput("s", [prompt[p]], p, table, True)])
+        torch.testing.assert_close(got["s"], want[p], atol=ATOL, rtol=0)
+
+
+def test_config_reading_and_the_memory_it_implies(checkpoints):
+    path, ref = checkpoints["qwen3_moe_dense_yarn"]
+    cfg = read_config(path)
+    assert (cfg.architecture, cfg.n_kv_heads, cfg.head_dim, cfg.dense_layers) == ("qwen3_moe", 2, 16, {1})
+    assert cfg.rope["rope_type"] == "yarn" and cfg.norm_topk_prob
+    eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
+    assert list(cfg.eos_token_ids) == eos and len(eos) == 2      # generation_config.json wins
+    assert len({f for f in tensor_files(path).values()}) > 1       # sharded: loaded through the index
+    n_params = sum(p.numel() for p in ref.parameters())
+    one, four = cfg.param_bytes(1, 4), cfg.param_bytes(4, 4)
+    assert one["shared"] + one["experts"] == 4 * n_params
+    assert four["experts"] * 4 == one["experts"] and four["shared"] == one["shared"]
+    with pytest.raises(ValueError, match="not divisible"):
+        cfg.experts_of_rank(0, 3)
+    with pytest.raises(ValueError, match="not supported"):
+        HFConfig.from_dict({**json.loads((path / "config.json").read_text()), "architectures": ["GPT2LMHeadModel"]})
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 10000.0},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32768},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+     "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+])
+def test_rope_frequencies_match_transformers(rope):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=2, max_position_embeddings=131072,
+                      rope_parameters=dict(rope))
+    ours, scale = inv_freq_and_scale(rope, 64)
+    if rope["rope_type"] == "default":
+        want = 1.0 / rope["rope_theta"] ** (torch.arange(0, 64, 2).float() / 64)
+        want_scale = 1.0
+    else:
+        want, want_scale = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu")
+    torch.testing.assert_close(ours, want.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(want_scale)
+
+
+def test_bf16_forward_is_close_to_fp32(checkpoints):
+    path, ref = checkpoints["qwen3_moe"]
+    prompt = _prompt(ref.config.vocab_size, 12, 3)
+    r16 = TorchModelRunner.from_pretrained(str(path), 0, 1, 8, BLOCK, dtype=torch.bfloat16)
+    assert r16.model.embed_tokens.dtype == torch.bfloat16 and r16.cache.data.dtype == torch.bfloat16
+    got = r16.logits([ChunkInput("s", prompt, 0, [0, 1, 2], False)])["s"]
+    want = reference_logits(ref, prompt)[-1]
+    assert (got - want).abs().max() < 0.05 * want.abs().max()      # bf16 rounding, not a different model
+
+
+# ---------------------------------------------------------------- expert parallel ranks
+
+def _ep_worker(rank: int, world: int, port: int, paths: dict[str, str], out_dir: str) -> None:
+    try:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        pair = dist.new_group([0, 1])
+        out = {}
+        for name, path in paths.items():
+            for w, group in ((world, None), (2, pair)):
+                if rank >= w:
+                    continue
+                runner = TorchModelRunner.from_pretrained(path, rank, w, 16, BLOCK, group=group)
+                vocab = runner.config.vocab_size
+                prompt = _prompt(vocab, 10 + 3 * rank, 100 + rank)
+                table = list(range(15, -1, -1))
+                steps = [runner.logits([ChunkInput("s", prompt[:6], 0, table, False)]),
+                         runner.logits([ChunkInput("s", prompt[6:], 6, table, True)]),
+                         # rank 0 idle: it still joins every all-to-all (the idle forward)
+                         runner.logits([] if rank == 0 else [ChunkInput("s", [7], len(prompt), table, True)])]
+                experts = sorted({int(n.split(".")[5]) for n in runner.model.weight_names() if ".experts." in n})
+                out[(name, w)] = {"prompt": prompt, "logits": [s.get("s") for s in steps], "experts": experts,
+                                  "read": runner.model.bytes_read}
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+    except BaseException:
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_and_four_ep_ranks_match_transformers(checkpoints, tmp_path):
+    names = ["qwen3_moe", "mixtral", "olmoe", "qwen3_moe_dense_yarn"]
+    paths = {n: str(checkpoints[n][0]) for n in names}
+    world = 4
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_ep_worker, args=(r, world, port, paths, str(tmp_path)), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + 240
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errs = [f.read_text() for f in tmp_path.glob("*.err")]
+    assert not errs, "\n".join(errs)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for name in names:
+        ref = checkpoints[name][1]
+        for w in (world, 2):
+            full = {}
+            for r in range(w):
+                got = results[r][(name, w)]
+                prompt = got["prompt"]
+                want = reference_logits(ref, prompt + [7])
+                torch.testing.assert_close(got["logits"][0], want[5], atol=ATOL, rtol=0)
+                torch.testing.assert_close(got["logits"][1], want[len(prompt) - 1], atol=ATOL, rtol=0)
+                if r:
+                    torch.testing.assert_close(got["logits"][2], want[len(prompt)], atol=ATOL, rtol=0)
+                else:
+                    assert got["logits"][2] is None
+                per = 8 // w
+                assert got["experts"] == list(range(r * per, (r + 1) * per))   # only its own experts
+                full[r] = got["read"]
+            # every rank reads the same shared weights and an equal share of the experts
+            assert len(set(full.values())) == 1
+        assert results[0][(name, 4)]["read"] < results[0][(name, 2)]["read"]
