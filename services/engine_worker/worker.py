@@ -40,11 +40,11 @@ from services.engine_worker.sequence import Sequence
 from shared import trace
 
 
-HOLD_POLL_MS = 2   # while every rank only has gated prefills: meet again this often (bounded by the gate timeout)
-
 # Values of the step row's F_STOP column.
 STOP_GROUP = 1     # this rank stops: the whole group stops together (SIGINT, `lockstep up` stopping)
 LEAVE = 2          # this rank leaves alone (SIGTERM): the others re-form without it
+HOLD_POLL_MS = 2   # while every rank only has gated prefills: meet again this often (bounded by the gate timeout)
+
 
 class EngineWorker(GroupMembership):
     def __init__(self, settings: EngineSettings) -> None:
@@ -66,12 +66,12 @@ class EngineWorker(GroupMembership):
         # step's read, which must neither admit them twice nor leave a finished one pending.
         self.prefetched: dict[bytes, str | None] = {}
         self.stopping = asyncio.Event()
-        self.cost = CostModel.load(settings.cost_model) if settings.cost_model else CostModel()
-        self.core = EngineScheduler(
         # SIGTERM: this rank leaves alone (hands its requests over, gives its slot back)
         # while the others go on; SIGINT: the whole group stops together.
         self.leaving = False
         self.left = False                         # the group saw this rank leave (at a step)
+        self.cost = CostModel.load(settings.cost_model) if settings.cost_model else CostModel()
+        self.core = EngineScheduler(
             BlockManager(settings.num_kv_blocks, settings.block_size),
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len)
@@ -105,12 +105,12 @@ class EngineWorker(GroupMembership):
         if r is None:
             return 2
         self.r = r
-        if self.s.spare:
-            self._preload_backend()
-            rank = await retrying(self._wait_as_spare, log=self.log, what="spare")
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._on_leave_signal)
         loop.add_signal_handler(signal.SIGINT, self._on_stop_signal)
+        if self.s.spare:
+            self._preload_backend()
+            rank = await retrying(self._wait_as_spare, log=self.log, what="spare")
             if rank is None:
                 await self.r.aclose()
                 return 0
@@ -143,17 +143,14 @@ class EngineWorker(GroupMembership):
             except GroupLost as exc:
                 self.log.error("engine_group_lost", error=str(exc))
                 return 4
+            if self.leaving and not self.group_stopped:
+                await self._hand_over()
             return 0
         finally:
             watcher.cancel()
-            if self.leaving and not self.group_stopped:
-                await self._hand_over()
             await asyncio.to_thread(liveness)   # its last beat lands before the alive key is dropped
             await self._release()
 
-    def _preload_backend(self) -> None:
-        """A spare imports what its backend needs before it waits: the weights depend on
-        the rank it will take, the imports do not (and are most of a start-up)."""
     def _on_leave_signal(self) -> None:
         if not self.stopping.is_set():
             self.leaving = True
@@ -165,6 +162,9 @@ class EngineWorker(GroupMembership):
             self.leaving = False   # a group stop wins over a leave not yet taken
         self.stopping.set()
 
+    def _preload_backend(self) -> None:
+        """A spare imports what its backend needs before it waits: the weights depend on
+        the rank it will take, the imports do not (and are most of a start-up)."""
         if self.s.backend == "torch":
             import services.engine_worker.model.runner  # noqa: F401
 
@@ -204,9 +204,6 @@ class EngineWorker(GroupMembership):
             self.exchange_s += time.perf_counter() - tx
             if trace.ENABLED:
                 trace.mark(f"step_synced:{self.rank}")
-            action, released = self.rs.decide(plan, view, time.monotonic())
-            if action is Action.STOP:
-                self.log.info("engine_stopping", wave=self.wave, step=self.step)
             stops = view.column(F_STOP)
             if LEAVE in stops and STOP_GROUP not in stops:
                 # Every rank sees the same rows: the leavers go, the others re-form now
@@ -219,6 +216,9 @@ class EngineWorker(GroupMembership):
                 if not await self._reform(f"rank(s) {leavers} left the group"):
                     return
                 continue
+            action, released = self.rs.decide(plan, view, time.monotonic())
+            if action is Action.STOP:
+                self.log.info("engine_stopping", wave=self.wave, step=self.step)
                 self.group_stopped = True
                 return
             if action is Action.HOLD:
@@ -490,6 +490,10 @@ class EngineWorker(GroupMembership):
                 else:
                     arrived.append((eid, doc))
         if not arrived:
+            if self.stopping.is_set() and not notified and not self._reform_requested:
+                # Stopping or leaving while the group sleeps: the others must meet this
+                # rank's last step (where they learn it goes), not sleep on.
+                await self._execute(self._wake_notice())
             return   # woken by a notice, or stopping: the next step's round trip reads the inbox
         if trace.ENABLED:
             trace.mark(f"rank_wake:{self.rank}")
@@ -498,6 +502,9 @@ class EngineWorker(GroupMembership):
             self._fetch(eid, doc)
         if notified:
             return
+        await self._execute(self._wake_notice())
+
+    def _wake_notice(self) -> Recorder:
         pipe = Recorder()
         pipe.xadd(self.keys.wave, {FIELD: dumps({"w": self.wave, "r": self.rank})},
                   maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
@@ -561,10 +568,6 @@ def _raw_entries(resp: Any) -> list[tuple[bytes, Any]]:
         return []
     items = resp.items() if isinstance(resp, dict) else resp
     out: list[tuple[bytes, Any]] = []
-            if self.stopping.is_set() and not notified and not self._reform_requested:
-                # Stopping or leaving while the group sleeps: the others must meet this
-                # rank's last step (where they learn it goes), not sleep on.
-                await self._execute(self._wake_notice())
     for _, entries in items:
         if entries and isinstance(entries[0], list) and not isinstance(entries[0][0], bytes):
             entries = entries[0]
@@ -573,9 +576,6 @@ def _raw_entries(resp: Any) -> list[tuple[bytes, Any]]:
 
 
 def main(settings: EngineSettings) -> int:
-        await self._execute(self._wake_notice())
-
-    def _wake_notice(self) -> Recorder:
     try:
         import uvloop
         uvloop.install()
