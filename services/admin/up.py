@@ -179,11 +179,17 @@ class LocalCluster:
         freed at once and announced, so a hot spare takes the rank over (the scheduler
         resumes the dead one's requests meanwhile); a fresh spare is started in its
         place. Without spares the process starts again for its own rank."""
+        engine = c.role.startswith(("engine-", "spare-"))
+        # An engine that exits 0 while the cluster runs left on purpose (SIGTERM: a rolling
+        # restart of one rank); it handed its requests over and gave its slot back. Its
+        # replacement is routine, not a crash: it does not count towards the limit.
+        planned = engine and code == 0
         now = time.monotonic()
-        c.restarts = [t for t in c.restarts if now - t < 60] + [now]
+        if not planned:
+            c.restarts = [t for t in c.restarts if now - t < 60] + [now]
         if len(c.restarts) > MAX_RESTARTS_PER_MIN:
             return False
-        engine = c.role.startswith(("engine-", "spare-"))
+        how = "left the group (planned)" if planned else f"exited with code {code}"
         rank = None
         if engine:
             try:
@@ -194,12 +200,12 @@ class LocalCluster:
             self.children.remove(c)
             self._spawn_spare()
             held = f"a hot spare takes rank {rank}; " if rank is not None else ""
-            self.out(f"lockstep: {c.role} exited with code {code}; {held}started "
+            self.out(f"lockstep: {c.role} {how}; {held}started "
                      f"{self.children[-1].role} in its place. Log: {c.log}")
             self.children[-1].restarts = c.restarts
             return True
         c.proc = self._popen(c.args, c.env, c.log)
-        self.out(f"lockstep: {c.role} exited with code {code}; restarted it. Log: {c.log}")
+        self.out(f"lockstep: {c.role} {how}; restarted it. Log: {c.log}")
         return True
 
     async def _release_rank(self, dead_pid: int) -> int | None:
@@ -299,12 +305,13 @@ class LocalCluster:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         # api-servers first (no new work), then the scheduler, then the engines (and their
-        # spares), then Redis.
-        order = ["api", "scheduler", ("engine", "spare")]
-        for prefix in order:
+        # spares), then Redis. Engines get SIGINT: the whole group stops together (SIGTERM
+        # would make each rank leave alone, handing its requests to the others).
+        order = [("api", signal.SIGTERM), ("scheduler", signal.SIGTERM), (("engine", "spare"), signal.SIGINT)]
+        for prefix, sig in order:
             group = [c for c in self.children if c.role.startswith(prefix) and c.proc.poll() is None]
             for c in group:
-                c.proc.send_signal(signal.SIGTERM)
+                c.proc.send_signal(sig)
             deadline = time.monotonic() + timeout_s
             for c in group:
                 try:
