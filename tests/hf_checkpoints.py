@@ -4,6 +4,7 @@ locally trained tokenizer with a chat template. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 CHAT_TEMPLATE = (
@@ -45,9 +46,19 @@ def make_tokenizer(out: Path, kind: str = "bytelevel", vocab_size: int = 384):
         tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
         tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          decoders.Strip(" ", 1, 0)])
-        bytes_ = [f"<0x{i:02X}>" for i in range(256)]
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS + bytes_)
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=SPECIALS)
     tok.train_from_iterator(CORPUS, trainer)
+    if kind != "bytelevel":
+        # byte-fallback pieces <0x00>..<0xFF> are ordinary vocabulary (as in Llama/Mistral), not special
+        vocab, merges = json.loads(tok.to_str())["model"]["vocab"], json.loads(tok.to_str())["model"]["merges"]
+        for i in range(256):
+            vocab.setdefault(f"<0x{i:02X}>", len(vocab))
+        model = models.BPE(vocab, [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges],
+                           byte_fallback=True)
+        rebuilt = Tokenizer(model)
+        rebuilt.normalizer, rebuilt.decoder = tok.normalizer, tok.decoder
+        rebuilt.add_special_tokens(SPECIALS)
+        tok = rebuilt
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE

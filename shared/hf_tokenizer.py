@@ -1,0 +1,229 @@
+"""A checkpoint's own tokenizer (tokenizer.json through the ``tokenizers`` library) and
+chat template (jinja2, rendered as transformers renders it), behind the small interface
+the api-servers use; the bundled model's byte-level tokenizer (shared/tokenizer.py)
+satisfies it too, through :class:`ByteTokenizer`. ``load_tokenizer`` picks one."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class StreamingDecoder(Protocol):
+    def feed(self, tokens: list[int]) -> str: ...
+    def flush(self) -> str: ...
+
+
+class TextTokenizer(Protocol):
+    """What the api-server needs of a tokenizer (prompts, streaming text, usage, stops)."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]   # end a sequence (from generation_config.json for a checkpoint)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, tokens: list[int]) -> str: ...
+    def stream_decoder(self) -> StreamingDecoder: ...
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+
+
+class ByteTokenizer:
+    """The bundled model's byte-level tokenizer behind the same interface."""
+
+    def __init__(self, render: Callable[..., str]) -> None:
+        from shared import tokenizer as bt
+        self._bt = bt
+        self._render = render
+        self.vocab_size = bt.VOCAB_SIZE
+        self.eos_token_ids = (bt.EOS,)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._bt.encode(text)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self._bt.decode(tokens)
+
+    def stream_decoder(self) -> StreamingDecoder:
+        return self._bt.StreamDecoder()
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self._render(messages, add_generation_prompt)
+
+
+def _token_content(v: Any) -> str | None:
+    """tokenizer_config.json spells a special token as a string or as {"content": ...}."""
+    if isinstance(v, dict):
+        return v.get("content")
+    return v if isinstance(v, str) else None
+
+
+class HFTokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        from tokenizers import Tokenizer
+
+        d = Path(model_dir)
+        if not (d / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{d / 'tokenizer.json'} not found: the checkpoint directory needs its "
+                                    "tokenizer (tokenizer.json, tokenizer_config.json)")
+        self._tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        cfg = _read_json(d / "tokenizer_config.json")
+        self.special_tokens = {k: _token_content(cfg.get(k)) for k in
+                               ("bos_token", "eos_token", "unk_token", "pad_token")}
+        self.chat_template = _chat_template(d, cfg)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self.eos_token_ids = self._eos_ids(d)
+
+    def _eos_ids(self, d: Path) -> tuple[int, ...]:
+        gen = _read_json(d / "generation_config.json").get("eos_token_id")
+        if gen is None:
+            gen = _read_json(d / "config.json").get("eos_token_id")
+        if gen is None and self.special_tokens["eos_token"]:
+            gen = self._tok.token_to_id(self.special_tokens["eos_token"])
+        ids = gen if isinstance(gen, list) else [] if gen is None else [gen]
+        return tuple(int(i) for i in ids)
+
+    # -- text <-> tokens --------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, tokens: list[int]) -> str:
+        return self._tok.decode(list(tokens), skip_special_tokens=True)
+
+    def stream_decoder(self) -> "IncrementalDecoder":
+        return IncrementalDecoder(self.decode)
+
+    def token_str(self, t: int) -> str:
+        return self._tok.id_to_token(t) or ""
+
+    def is_special(self, t: int) -> bool:
+        return t in self._special_ids
+
+    # -- chat -------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text exactly as transformers' apply_chat_template(tokenize=False)
+        renders it (encode it with add_special_tokens=False, as transformers does)."""
+        if not self.chat_template:
+            raise ValueError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' "
+                             "or chat_template.jinja); use /v1/completions")
+        return _compile(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+            **{k: v for k, v in self.special_tokens.items() if v is not None})
+
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class IncrementalDecoder:
+    """Streamed text of a growing token list that never splits a character: it decodes a
+    short window of recent tokens (so merges and leading-space rules see their context)
+    and emits only the text that the newest tokens added, holding back a tail that ends
+    in U+FFFD (an incomplete multi-byte character whose next bytes are still to come).
+    The pieces joined equal ``decode(all tokens)``."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = 0     # window start: tokens before it are never decoded again
+        self._read = 0       # tokens whose text was emitted
+
+    def feed(self, tokens: list[int]) -> str:
+        ids = self._ids
+        ids.extend(tokens)
+        before = self._decode(ids[self._prefix:self._read])
+        now = self._decode(ids[self._prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(ids)
+        return now[len(before):]
+
+    def flush(self) -> str:
+        """What is still held back (an unfinished character decodes to U+FFFD, as decode does)."""
+        before = self._decode(self._ids[self._prefix:self._read])
+        now = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return now[len(before):]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _chat_template(d: Path, cfg: dict[str, Any]) -> str | None:
+    if (d / "chat_template.jinja").is_file():      # newer transformers saves it beside the config
+        return (d / "chat_template.jinja").read_text()
+    t = cfg.get("chat_template")
+    if isinstance(t, list):                        # named templates: the default one
+        t = next((x["template"] for x in t if x.get("name") == "default"), None)
+    return t
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str):
+    """A sandboxed environment with transformers' settings and globals (trim_blocks,
+    lstrip_blocks, loopcontrols, raise_exception, strftime_now, a tojson that keeps
+    non-ASCII and does not escape HTML)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@lru_cache(maxsize=1)
+def _byte_level_inverse() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the others are
+    shifted to code points 256 and up; this maps each character back to its byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + n)] = b
+            n += 1
+    return out
+
+
+def token_bytes_table(tok: HFTokenizer) -> list[bytes]:
+    """The bytes each token id stands for (b"" for special tokens): the engine's view of
+    the text for stop strings, as the byte tokenizer's ids are its bytes."""
+    raw = json.loads(tok._tok.to_str()).get("decoder") or {}
+    kinds = {raw.get("type")} | {x.get("type") for x in raw.get("decoders") or []}
+    inv = _byte_level_inverse() if "ByteLevel" in kinds else None
+    out = []
+    for i in range(tok.vocab_size):
+        s = tok.token_str(i)
+        if tok.is_special(i) or not s:
+            out.append(b"")
+        elif inv is not None:
+            out.append(bytes(inv.get(c, 0x3F) for c in s))
+        elif m := _BYTE_TOKEN.match(s):
+            out.append(bytes([int(m.group(1), 16)]))
+        else:
+            out.append(s.replace("\u2581", " ").encode("utf-8"))
+    return out
+
+
+def load_tokenizer(model_dir: str | None, byte_chat: Callable[..., str]) -> TextTokenizer:
+    """The checkpoint's tokenizer when a model directory is served, else the byte tokenizer
+    (whose chat rendering, ``byte_chat``, lives with the api-server)."""
+    return HFTokenizer(model_dir) if model_dir else ByteTokenizer(byte_chat)

@@ -1,0 +1,140 @@
+"""A checkpoint's tokenizer and chat template: lockstep's HFTokenizer (tokenizers + jinja2,
+no transformers at run time) against transformers' own tokenizer on locally trained BPEs
+of both families (byte-level like Qwen/OLMoE, metaspace + byte fallback like Mixtral)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("transformers")
+
+from shared.hf_tokenizer import ByteTokenizer, HFTokenizer, TextTokenizer, load_tokenizer, token_bytes_table  # noqa: E402
+from tests.hf_checkpoints import make_tokenizer  # noqa: E402
+
+KINDS = ["bytelevel", "metaspace"]
+TEXTS = ["Hello, world!", "Straße, café 東京 😀 — naïve\n\tdef f(x):\n        return x", "🦓🦓 ✓ ", "  leading spaces",
+         "", "a" * 50, "<|im_end|> is special"]
+
+# A template that leans on what transformers provides: namespace, loop controls, tojson,
+# raise_exception, bos/eos tokens and trim_blocks/lstrip_blocks whitespace rules.
+RICH_TEMPLATE = """{{ bos_token }}
+{% set ns = namespace(system='') %}
+{% for m in messages %}
+  {% if m.role == 'system' %}{% set ns.system = m.content %}{% continue %}{% endif %}
+  {% if m.role not in ['user', 'assistant'] %}{{ raise_exception('bad role: ' + m.role) }}{% endif %}
+  {% if loop.first and ns.system %}[SYS]{{ ns.system }}[/SYS]
+{% endif %}
+<{{ m.role }}>{{ m.content }}{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}
+  {% if m.meta is defined %}{{ m.meta | tojson }}{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<assistant>{% endif %}"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  Straße?  "},
+     {"role": "assistant", "content": "Ja."}, {"role": "user", "content": "東京 😀"}],
+    [{"role": "user", "content": "x", "meta": {"k": "café", "n": [1, 2]}}],
+]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def tok_dir(request, tmp_path_factory) -> tuple[Path, object]:
+    d = tmp_path_factory.mktemp(request.param)
+    return d, make_tokenizer(d, request.param)
+
+
+def test_encode_decode_match_transformers(tok_dir):
+    d, ref = tok_dir
+    tok = HFTokenizer(d)
+    assert tok.vocab_size == len(ref)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref(text)["input_ids"]
+        assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("conv", CONVERSATIONS)
+@pytest.mark.parametrize("gen", [True, False])
+def test_chat_template_renders_as_transformers(tok_dir, conv, gen):
+    d, ref = tok_dir
+    tok = HFTokenizer(d)
+    assert tok.render_chat(conv, gen) == ref.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+    ids = ref.apply_chat_template(conv, tokenize=True, add_generation_prompt=gen)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert tok.chat_prompt(conv, gen) == list(ids)
+
+
+@pytest.mark.parametrize("conv", CONVERSATIONS + [[{"role": "tool", "content": "x"}]])
+def test_a_richer_template_renders_as_transformers(tok_dir, conv):
+    d, ref = tok_dir
+    tok = HFTokenizer(d)
+    tok.chat_template = ref.chat_template = RICH_TEMPLATE
+    if conv[0]["role"] == "tool":       # raise_exception: both refuse, with the template's message
+        with pytest.raises(jinja2.TemplateError, match="bad role: tool"):
+            tok.render_chat(conv)
+        with pytest.raises(Exception, match="bad role: tool"):
+            ref.apply_chat_template(conv, tokenize=False)
+        return
+    assert tok.render_chat(conv) == ref.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40),
+       cut=st.lists(st.integers(1, 4), min_size=1, max_size=20))
+def test_streamed_pieces_join_to_the_full_decode(text, cut):
+    """Fed in arbitrary groups of tokens, the pieces never hold a broken character before
+    the end and join to decode(all tokens) (merged tokens, byte fallback, multi-byte)."""
+    for tok in _TOKS.values():
+        ids = tok.encode(text) + [tok.eos_token_ids[0]]
+        dec, pieces, i, k = tok.stream_decoder(), [], 0, 0
+        while i < len(ids):
+            n = cut[k % len(cut)]
+            pieces.append(dec.feed(ids[i:i + n]))
+            i, k = i + n, k + 1
+        assert all("\ufffd" not in p for p in pieces) or "\ufffd" in text
+        assert "".join(pieces) + dec.flush() == tok.decode(ids)
+
+
+_TOKS: dict[str, HFTokenizer] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _both_tokenizers(tmp_path_factory):
+    for k in KINDS:
+        d = tmp_path_factory.mktemp(f"both-{k}")
+        make_tokenizer(d, k)
+        _TOKS[k] = HFTokenizer(d)
+
+
+def test_token_bytes_spell_the_text(tok_dir):
+    """The engine's byte view (for stop strings) is the decoded text's bytes (a metaspace
+    tokenizer's leading space, stripped by its decoder, aside)."""
+    d, _ = tok_dir
+    tok = HFTokenizer(d)
+    table = token_bytes_table(tok)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        spelled = b"".join(table[i] for i in ids).decode("utf-8")
+        assert spelled in (tok.decode(ids), " " + tok.decode(ids))
+    assert table[tok.eos_token_ids[0]] == b""
+
+
+def test_factory_and_the_byte_tokenizer_satisfy_one_interface(tok_dir):
+    d, _ = tok_dir
+    byte = load_tokenizer(None, lambda msgs, gen=True: "".join(m["content"] for m in msgs))
+    hf = load_tokenizer(str(d), lambda *a: "")
+    assert isinstance(byte, ByteTokenizer) and isinstance(hf, HFTokenizer)
+    for t in (byte, hf):
+        tt: TextTokenizer = t
+        ids = tt.encode("héllo")
+        dec = tt.stream_decoder()
+        assert dec.feed(ids) + dec.flush() == tt.decode(ids) == "héllo"
+        assert tt.eos_token_ids
+    assert byte.render_chat([{"role": "user", "content": "a"}]) == "a"
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        HFTokenizer(d / "nowhere")
