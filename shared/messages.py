@@ -36,6 +36,11 @@ class SamplingParams:
     presence_penalty: float = 0.0      # over the generated tokens (OpenAI's)
     frequency_penalty: float = 0.0     # over the generated tokens (OpenAI's)
     repetition_penalty: float = 1.0    # over prompt + generated tokens (vLLM's / HF's)
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
+    min_tokens: int = 0                # no EOS / stop token / stop string before this many tokens
+    stop_token_ids: list[int] = field(default_factory=list)     # finish ("stop") on any of these
+    logprobs: int | None = None        # None: none; k: the sampled token's logprob + the top k
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first (echo)
 
     @property
     def penalized(self) -> bool:
@@ -56,6 +61,16 @@ class SamplingParams:
             d["fp"] = self.frequency_penalty
         if self.repetition_penalty != 1.0:
             d["rp"] = self.repetition_penalty
+        if self.logit_bias:
+            d["lb"] = [[t, b] for t, b in self.logit_bias.items()]   # JSON keys are strings: pairs
+        if self.min_tokens:
+            d["mn"] = self.min_tokens
+        if self.stop_token_ids:
+            d["si"] = self.stop_token_ids
+        if self.logprobs is not None:
+            d["lp"] = self.logprobs
+        if self.prompt_logprobs is not None:
+            d["pl"] = self.prompt_logprobs
         return d
 
     @classmethod
@@ -63,7 +78,9 @@ class SamplingParams:
         return cls(max_tokens=d["mt"], temperature=d["te"], top_p=d["tp"], seed=d["sd"],
                    stop=list(d["st"]), ignore_eos=d["ie"], top_k=d.get("tk", -1), min_p=d.get("mp", 0.0),
                    presence_penalty=d.get("pp", 0.0), frequency_penalty=d.get("fp", 0.0),
-                   repetition_penalty=d.get("rp", 1.0))
+                   repetition_penalty=d.get("rp", 1.0), logit_bias={int(t): b for t, b in d.get("lb", ())},
+                   min_tokens=d.get("mn", 0), stop_token_ids=list(d.get("si", ())), logprobs=d.get("lp"),
+                   prompt_logprobs=d.get("pl"))
 
 
 @dataclass(slots=True)
@@ -160,11 +177,22 @@ class Delta:
     rank: int = -1
     error: str | None = None
     epoch: int = 0                 # the request's resume epoch on the rank that produced it
+    # Logprobs, only when asked for (SamplingParams.logprobs / prompt_logprobs). One entry
+    # per token of ``tokens``: [logprob, [[id, logprob], ...top k]]. ``prompt_lp`` holds the
+    # entries of prompt positions ``prompt_lp_pos`` on (position 0 has none).
+    logprobs: list[Any] | None = None
+    prompt_lp: list[Any] | None = None
+    prompt_lp_pos: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"id": self.id, "o": self.pos, "t": self.tokens, "r": self.rank}
         if self.epoch:
             d["ep"] = self.epoch
+        if self.logprobs is not None:
+            d["lp"] = self.logprobs
+        if self.prompt_lp is not None:
+            d["pl"] = self.prompt_lp
+            d["plo"] = self.prompt_lp_pos
         if self.finish is not None:
             d["f"] = self.finish
             d["pt"] = self.prompt_tokens
@@ -175,7 +203,8 @@ class Delta:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Delta":
         return cls(id=d["id"], pos=d["o"], tokens=d["t"], finish=d.get("f"),
-                   prompt_tokens=d.get("pt", 0), rank=d.get("r", -1), error=d.get("e"), epoch=d.get("ep", 0))
+                   prompt_tokens=d.get("pt", 0), rank=d.get("r", -1), error=d.get("e"), epoch=d.get("ep", 0),
+                   logprobs=d.get("lp"), prompt_lp=d.get("pl"), prompt_lp_pos=d.get("plo", 1))
 
 
 def encode_deltas(deltas: list[Delta]) -> bytes:

@@ -29,3 +29,22 @@ class StreamDecoder:
 
     def flush(self) -> str:
         return self._dec.decode(b"", final=True)
+
+
+_SPECIAL_NAMES = {EOS: "<|eos|>", BOS: "<|bos|>"}
+
+
+def token_text(t: int) -> str:
+    """A token as logprobs name it: an ASCII byte is its character; a byte of a multi-byte
+    character is ``bytes:\\xNN`` (as vLLM shows a token that is not valid UTF-8 alone);
+    a special token its name. Distinct tokens have distinct names."""
+    if t < 128:
+        return chr(t)
+    if t < 256:
+        return f"bytes:\\x{t:02x}"
+    return _SPECIAL_NAMES.get(t, f"<|reserved_{t}|>")
+
+
+def token_bytes(t: int) -> list[int] | None:
+    """A token's UTF-8 bytes (OpenAI's ``bytes`` field); None for a special token."""
+    return [t] if t < 256 else None

@@ -17,6 +17,7 @@ from starlette.responses import Response, StreamingResponse
 
 from services.api_server.errors import ApiError, error_response
 from services.api_server.gateway import Gateway, RequestChannel, client_policy
+from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, join
 from services.api_server.metrics import ApiMetrics
 from services.api_server.protocol import (CHAT_SCHEMA, CHAT_TEMPLATE, COMPLETION_SCHEMA, DETOKENIZE_SCHEMA,
                                          SPECIAL_TOKENS, TOKENIZE_SCHEMA, ParsedRequest, openapi_body, parse,
@@ -312,25 +313,33 @@ def create_app(settings: ApiServerSettings) -> Any:
         if ch.finish in ("error", "abort"):
             raise ApiError(503, f"the request could not be completed: {ch.error or ch.finish}; retry it",
                            code="engine_error")
+        tokens = _shown(p, ch)
         dec, stopper = StreamDecoder(), TextStopper(p.params.stop)
-        text = stopper.feed(dec.feed(ch.tokens)) + stopper.feed(dec.flush()) + stopper.finish()
+        text = _feed(p, dec, stopper, _text_tokens(p, ch, tokens), 0) + stopper.feed(dec.flush()) + stopper.finish()
         finish = "stop" if stopper.stopped else ch.finish
         _observe(ch, t0, len(ch.tokens))
-        usage = _usage(ch)
+        usage = _usage(p, ch)
         if p.kind == "chat":
+            lp = chat_logprobs(tokens, ch.logprobs, p.logprobs) if p.logprobs is not None else None
             return _json({"id": rid, "object": "chat.completion", "created": created, "model": p.model,
                           "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                       "logprobs": None, "finish_reason": finish}],
+                                       "logprobs": lp, "finish_reason": finish}],
                           "usage": usage, "system_fingerprint": None})
+        lp = None
+        if p.logprobs is not None:
+            cl = CompletionLogprobs(p.logprobs)
+            parts = [_prompt_part(p, ch, cl)] if p.echo else []
+            parts.append(cl.part(tokens, ch.logprobs))
+            lp = join(parts)
         if p.echo:
             text = p.prompt_text + text
         return _json({"id": rid, "object": "text_completion", "created": created, "model": p.model,
-                      "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                      "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
                       "usage": usage})
 
-    def _usage(ch: RequestChannel) -> dict[str, int]:
-        pt = ch.prompt_tokens
-        return {"prompt_tokens": pt, "completion_tokens": len(ch.tokens), "total_tokens": pt + len(ch.tokens)}
+    def _usage(p: ParsedRequest, ch: RequestChannel) -> dict[str, int]:
+        pt, n = ch.prompt_tokens, 0 if p.drop_output else len(ch.tokens)
+        return {"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n}
 
     def _observe(ch: RequestChannel, t0: float, n: int) -> None:
         if ch.first_t:
@@ -344,16 +353,16 @@ def create_app(settings: ApiServerSettings) -> Any:
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage_null = {"usage": None} if p.include_usage else {}
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> bytes:
+        def chunk(text: str | None, finish: str | None, role: bool = False, lp: Any = None) -> bytes:
             if chat:
                 delta: dict[str, Any] = {}
                 if role:
                     delta["role"] = "assistant"
                 if text is not None:
                     delta["content"] = text
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
             return b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": p.model,
                                              "choices": [choice], **usage_null}) + b"\n\n"
 
@@ -362,12 +371,16 @@ def create_app(settings: ApiServerSettings) -> Any:
         dec, stopper = StreamDecoder(), TextStopper(p.params.stop)
         sent = 0
         finished = False
+        want_lp = p.logprobs is not None
+        cl = CompletionLogprobs(p.logprobs or 0) if want_lp and not chat else None
+        echo_due = p.echo        # with logprobs, the prompt's come with the first token: wait for it
         metrics.inflight.inc()
         try:
             if chat:
                 yield chunk("", None, role=True)
-            elif p.echo:
+            elif p.echo and not want_lp:
                 yield chunk(p.prompt_text, None)
+                echo_due = False
             last_t = 0.0
             while True:
                 if ch.finish is None:
@@ -380,17 +393,26 @@ def create_app(settings: ApiServerSettings) -> Any:
                         yield _sse_error(504, f"no completion within {settings.request_timeout_s:g}s")
                         yield b"data: [DONE]\n\n"
                         return
+                if echo_due and (ch.tokens or ch.finish is not None):
+                    echo_due = False
+                    yield chunk(p.prompt_text, None, lp=_prompt_part(p, ch, cl))
                 new = ch.tokens[sent:]
+                lps = ch.logprobs[sent:sent + len(new)] if want_lp and ch.logprobs is not None else None
                 sent += len(new)
+                if p.drop_output:
+                    new = []
                 if new:
                     if ch.last_t and last_t:
                         metrics.itl.observe(ch.last_t - last_t)
                     last_t = ch.last_t
-                    text = stopper.feed(dec.feed(new))
-                    if text:
+                    text = _feed(p, dec, stopper, _text_tokens(p, ch, new, sent), sent - len(new))
+                    lp = None
+                    if want_lp:
+                        lp = chat_logprobs(new, lps, p.logprobs) if chat else cl.part(new, lps)
+                    if text or lp is not None:
                         if trace.ENABLED:
                             trace.mark("sse_first")
-                        yield chunk(text, None)
+                        yield chunk(text, None, lp=lp)
                 if ch.finish is not None and sent >= len(ch.tokens):
                     finished = True
                     if ch.finish in ("error", "abort"):
@@ -404,7 +426,7 @@ def create_app(settings: ApiServerSettings) -> Any:
                     if p.include_usage:
                         yield b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created,
                                                         "model": p.model, "choices": [],
-                                                        "usage": _usage(ch)}) + b"\n\n"
+                                                        "usage": _usage(p, ch)}) + b"\n\n"
                     yield b"data: [DONE]\n\n"
                     _observe(ch, t0, len(ch.tokens))
                     return
@@ -429,6 +451,42 @@ def create_app(settings: ApiServerSettings) -> Any:
     hot = HotPaths(app, {"/v1/completions": lambda request: handle(request, "completion"),
                          "/v1/chat/completions": lambda request: handle(request, "chat")}, log)
     return BodyLimit(hot, limit=settings.max_body_bytes)
+
+
+def _feed(p: ParsedRequest, dec: StreamDecoder, stopper: TextStopper, tokens: list[int], start: int) -> str:
+    """Text of ``tokens`` (the generated ones from index ``start``) through the stop-string
+    filter, except the first min_tokens tokens: the engine does not stop on a stop string
+    there, so the text is not cut there either."""
+    k = max(0, min(len(tokens), p.params.min_tokens - start)) if p.params.stop else 0
+    if not k:
+        return stopper.feed(dec.feed(tokens))
+    head = dec.feed(tokens[:k])
+    return head + stopper.feed(dec.feed(tokens[k:])) if k < len(tokens) else head
+
+
+def _shown(p: ParsedRequest, ch: RequestChannel) -> list[int]:
+    """The generated tokens the response shows (none for echo with max_tokens 0)."""
+    return [] if p.drop_output else ch.tokens
+
+
+def _text_tokens(p: ParsedRequest, ch: RequestChannel, tokens: list[int], end: int | None = None) -> list[int]:
+    """``tokens`` (ending at ``end`` among the generated ones) less a final stop token:
+    vLLM counts it and shows it in logprobs, but not in the text."""
+    end = len(ch.tokens) if end is None else end
+    if (tokens and ch.finish == "stop" and end == len(ch.tokens) and p.params.stop_token_ids
+            and tokens[-1] in p.params.stop_token_ids):
+        return tokens[:-1]
+    return tokens
+
+
+def _prompt_part(p: ParsedRequest, ch: RequestChannel, cl: CompletionLogprobs | None) -> dict[str, Any] | None:
+    """The echoed prompt's logprobs (the first token has none, as in vLLM)."""
+    if cl is None:
+        return None
+    got = ch.prompt_lp or []
+    entries = [None, *got[:len(p.prompt) - 1]]
+    entries += [None] * (len(p.prompt) - len(entries))
+    return cl.part(p.prompt, entries, first_is_none=True)
 
 
 def _sse_error(status: int, message: str) -> bytes:

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from shared import keys as K
-from shared.bus import decode_entries, server_run_id
+from shared.bus import decode_entries, same_data, server_run_id
 from shared.messages import FIELD, Abort, Delta, Request, dumps
 from shared.policy.base import RequestInfo
 from shared.stats import Snapshot
@@ -31,7 +31,7 @@ class RequestChannel:
     """Tokens of one request as they arrive; ``pos`` in each delta drops duplicates."""
 
     __slots__ = ("id", "tokens", "finish", "error", "prompt_tokens", "event", "rank", "first_t", "last_t",
-                 "req", "epoch")
+                 "req", "epoch", "logprobs", "prompt_lp")
 
     def __init__(self, rid: str) -> None:
         self.id = rid
@@ -45,6 +45,16 @@ class RequestChannel:
         self.last_t = 0.0
         self.req: Request | None = None    # kept to resubmit it if its rank dies
         self.epoch = 0
+        # Only when the request asked: one entry per token (None where a resume lost it),
+        # and prompt_lp[i] for prompt position i + 1.
+        self.logprobs: list | None = None
+        self.prompt_lp: list | None = None
+
+    def _prompt_lp(self, entries: list, pos: int) -> None:
+        have = self.prompt_lp if self.prompt_lp is not None else []
+        self.prompt_lp = have
+        if pos <= len(have) + 1:           # a recompute repeats what is here: keep the first
+            have.extend(entries[len(have) + 1 - pos:])
 
     def feed(self, d: Delta, now: float) -> None:
         if self.finish is not None or d.epoch < self.epoch:
@@ -52,6 +62,12 @@ class RequestChannel:
         have = len(self.tokens)
         if d.pos <= have:
             new = d.tokens[have - d.pos:]
+            if d.prompt_lp is not None:
+                self._prompt_lp(d.prompt_lp, d.prompt_lp_pos)
+            if new and (d.logprobs is not None or self.logprobs is not None):
+                lps = self.logprobs if self.logprobs is not None else [None] * have
+                self.logprobs = lps
+                lps.extend(d.logprobs[have - d.pos:] if d.logprobs is not None else [None] * len(new))
             if new:
                 self.tokens.extend(new)
                 if not self.first_t:
@@ -261,10 +277,11 @@ class Gateway:
         request and output streams: fail the requests in flight with a clear, retryable
         error instead of letting them wait for tokens that will never come."""
         run_id = await server_run_id(self.r)
+        lost = not same_data(self.run_id, run_id)   # a failover keeps the data; an empty restart does not
         if self.log is not None:
-            self.log.info("redis_reconnected", what="outputs", restarted=run_id != self.run_id)
-        if run_id != self.run_id:
-            self.run_id = run_id
+            self.log.info("redis_reconnected", what="outputs", restarted=lost)
+        self.run_id = run_id
+        if lost:
             for ch in list(self.channels.values()):
                 ch.fail("the cluster's Redis server restarted and lost this request; retry it")
 

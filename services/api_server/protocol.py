@@ -17,14 +17,15 @@ from shared.tokenizer import BOS, EOS, VOCAB_SIZE, encode
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 64
+MAX_LOGPROBS = 20          # as vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 64
 
 
 # Parameters that this server knows but does not implement yet. Each is accepted only at
 # its neutral value (the one that changes nothing); anything else is a 400 that names the
 # field (docs/api.md). name -> (neutral values, JSON schema of the neutral values).
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
-    "min_tokens": ((0,), {"type": "integer", "enum": [0]}),
-    "logit_bias": (({},), {"type": "object", "maxProperties": 0}),
     "response_format": (({"type": "text"},), {"type": "object", "properties": {"type": {"type": "string",
                                                                                        "enum": ["text"]}}}),
     "guided_json": ((), {"type": "null"}),
@@ -34,7 +35,6 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "structured_outputs": ((), {"type": "null"}),
     "best_of": ((1,), {"type": "integer", "enum": [1]}),
     "n": ((1,), {"type": "integer", "enum": [1]}),
-    "stop_token_ids": (([],), {"type": "array", "maxItems": 0}),
     "bad_words": (([],), {"type": "array", "maxItems": 0}),
     "include_stop_str_in_output": ((False,), {"type": "boolean", "enum": [False]}),
     "skip_special_tokens": ((True,), {"type": "boolean", "enum": [True]}),
@@ -42,13 +42,10 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
 }
 _NEUTRAL_COMPLETION: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     **_NEUTRAL,
-    "logprobs": ((), {"type": "null"}),
     "suffix": (("",), {"type": "string", "maxLength": 0}),
 }
 _NEUTRAL_CHAT: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     **_NEUTRAL,
-    "logprobs": ((False,), {"type": "boolean", "enum": [False]}),
-    "top_logprobs": ((0,), {"type": "integer", "enum": [0]}),
     "tools": (([],), {"type": "array", "maxItems": 0}),
     "tool_choice": (("none",), {"type": "string", "enum": ["none"]}),
     "functions": (([],), {"type": "array", "maxItems": 0}),
@@ -86,6 +83,12 @@ _COMMON: dict[str, Any] = {
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
     "data_parallel_rank": {"type": "integer", "minimum": 0},
+    "logit_bias": {"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                   "description": "token id (as a string) -> bias added to its logit"},
+    "min_tokens": {"type": "integer", "minimum": 0, "description": "at most max_tokens"},
+    "stop_token_ids": {"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
+                       "items": {"type": "integer", "minimum": 0, "maximum": VOCAB_SIZE - 1}},
     **_INFORMATIONAL,
 }
 _UNSUPPORTED_NOTE = "not supported yet: only the neutral value shown is accepted; any other value is a 400"
@@ -99,7 +102,10 @@ COMPLETION_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["model", "prompt"],
     "properties": {**_COMMON, **_neutral_schemas(_NEUTRAL_COMPLETION),
                    "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
-                   "echo": {"type": "boolean"}},
+                   "echo": {"type": "boolean"},
+                   "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+                   "max_tokens": {"type": "integer", "minimum": 0,
+                                  "description": "0 only with echo: the prompt (and its logprobs) alone"}},
     "additionalProperties": True,
     "description": "Unknown fields are ignored (logged once per field name at warning level); see docs/api.md.",
 }
@@ -107,6 +113,8 @@ CHAT_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["model", "messages"],
     "properties": {**_COMMON, **_neutral_schemas(_NEUTRAL_CHAT),
                    "max_completion_tokens": {"type": "integer", "minimum": 1},
+                   "logprobs": {"type": "boolean"},
+                   "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
                    "messages": {"type": "array", "minItems": 1, "items": {
                        "type": "object", "required": ["role", "content"],
                        "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
@@ -134,6 +142,8 @@ class ParsedRequest:
     rank: int | None
     echo: bool = False
     prompt_text: str = ""
+    logprobs: int | None = None    # completions: top k (the sampled token's always); chat: top_logprobs
+    drop_output: bool = False      # echo with max_tokens 0: one token is generated and not shown
     ignored: tuple[str, ...] = ()  # unknown top-level fields, ignored (docs/api.md)
 
 
@@ -183,6 +193,53 @@ def _stop(body: dict) -> list[str]:
     if any(not s or len(s.encode()) > MAX_STOP_LEN for s in stops):
         raise ApiError(400, f"each stop string must be 1..{MAX_STOP_LEN} bytes", param="stop")
     return stops
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ApiError(400, "'logit_bias' must be an object of token id -> bias", param="logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        try:
+            t = int(k)
+        except (TypeError, ValueError):
+            raise ApiError(400, f"'logit_bias' key {k!r} is not a token id", param="logit_bias") from None
+        if not 0 <= t < VOCAB_SIZE:
+            raise ApiError(400, f"'logit_bias' token {t} is outside 0..{VOCAB_SIZE - 1}", param="logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise ApiError(400, f"'logit_bias' of token {t} must be a number in -100..100", param="logit_bias")
+        if b:
+            out[t] = float(b)
+    return out
+
+
+def _stop_token_ids(body: dict) -> list[int]:
+    v = body.get("stop_token_ids")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise ApiError(400, "'stop_token_ids' must be a list of token ids", param="stop_token_ids")
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(400, f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
+    if any(not 0 <= t < VOCAB_SIZE for t in v):
+        raise ApiError(400, f"'stop_token_ids' must be within 0..{VOCAB_SIZE - 1}", param="stop_token_ids")
+    return sorted(set(v))
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top alternatives per token (None: no logprobs)."""
+    if chat:
+        on = _bool(body, "logprobs", False)
+        k = _num(body, "top_logprobs", int, None, lo=0, hi=MAX_LOGPROBS)
+        if k is not None and k > 0 and not on:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (k or 0) if on else None
+    return _num(body, "logprobs", int, None, lo=0, hi=MAX_LOGPROBS)
 
 
 def _is_neutral(v: Any, neutral: tuple[Any, ...]) -> bool:
@@ -285,7 +342,11 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
         raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     room = max_model_len - len(prompt)
-    max_tokens = _num(body, max_name, int, None, lo=1)
+    echo = bool(body.get("echo")) and not chat
+    max_tokens = _num(body, max_name, int, None, lo=0 if echo else 1)
+    drop_output = max_tokens == 0          # echo only: the engine makes one token, not shown
+    if drop_output:
+        max_tokens = 1
     if room < 1 or (max_tokens is not None and max_tokens > room):
         asked = len(prompt) + (max_tokens or 1)
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
@@ -307,6 +368,16 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
         frequency_penalty=_num(body, "frequency_penalty", float, 0.0, lo=-2.0, hi=2.0),
         repetition_penalty=_num(body, "repetition_penalty", float, 1.0, lo=0.0, hi=2.0, lo_open=True),
     )
+    lp = _logprobs(body, chat)
+    params.logprobs = lp
+    if echo and lp is not None:
+        params.prompt_logprobs = lp
+    params.logit_bias = _logit_bias(body)
+    params.stop_token_ids = _stop_token_ids(body)
+    params.min_tokens = _num(body, "min_tokens", int, 0, lo=0)
+    if params.min_tokens > params.max_tokens:
+        raise ApiError(400, f"'min_tokens' ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})",
+                       param="min_tokens")
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
@@ -327,8 +398,8 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
             raise ApiError(400, f"data_parallel_rank {rank} does not exist: this cluster has ranks 0..{num_ranks - 1}",
                            param="data_parallel_rank")
     return ParsedRequest(kind=kind, model=model, prompt=prompt, params=params, stream=stream,
-                         include_usage=include_usage, rank=rank, echo=bool(body.get("echo")) and not chat,
-                         prompt_text=text, ignored=tuple(unknown_fields(body, kind)))
+                         include_usage=include_usage, rank=rank, echo=echo, prompt_text=text,
+                         ignored=tuple(unknown_fields(body, kind)), logprobs=lp, drop_output=drop_output)
 
 
 # --- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------

@@ -37,7 +37,9 @@ therefore always be completed alone, and preemption always frees enough for the 
 **Stop handling.** A sampled token finishes the sequence when it is EOS (unless
 ``ignore_eos``; reason ``"stop"``), when it completes a stop string (``"stop"``; the token
 is emitted, nothing after it is generated; the api-server trims the text from the stop
-string on, see shared/stop.py), or when max_tokens is reached (``"length"``).
+string on, see shared/stop.py), when it is one of ``stop_token_ids`` (``"stop"``), or when
+max_tokens is reached (``"length"``). Before ``min_tokens`` tokens only max_tokens ends it
+(the torch sampler also masks EOS and the stop tokens until then).
 """
 
 from __future__ import annotations
@@ -366,7 +368,7 @@ class EngineScheduler:
             gen.append(tok)
             params = seq.params
             n = len(gen)
-            if tok != EOS and seq.stop_checker is None and n < params.max_tokens:
+            if tok != EOS and seq.stop_checker is None and n < params.max_tokens and not params.stop_token_ids:
                 reason = None                  # the common case, without a call
             else:
                 reason = reason_of(seq, tok)
@@ -406,11 +408,16 @@ class EngineScheduler:
     def _finish_reason(seq: Sequence, tok: int) -> str | None:
         """Why ``seq`` ends with the token it just got (None: it goes on)."""
         params = seq.params
-        if tok == EOS and not params.ignore_eos:
+        n = len(seq.generated)
+        early = n < params.min_tokens     # nothing but max_tokens ends it yet
+        if tok == EOS and not params.ignore_eos and not early:
             return "stop"
-        if seq.stop_checker is not None and seq.stop_checker.feed(tok):
+        # the checker sees every token, so a stop string completed after min_tokens is found
+        if seq.stop_checker is not None and seq.stop_checker.feed(tok) and not early:
             return "stop"
-        if len(seq.generated) >= params.max_tokens:   # add() keeps prompt+max_tokens <= max_model_len
+        if params.stop_token_ids and tok in params.stop_token_ids and not early:
+            return "stop"
+        if n >= params.max_tokens:   # add() keeps prompt+max_tokens <= max_model_len
             return "length"
         return None
 

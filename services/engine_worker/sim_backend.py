@@ -4,11 +4,18 @@ Its tokens are a pure function of (request seed, prompt, position), so the outpu
 depends on the rank, the batch or a resume on another rank. The text it produces mixes
 ASCII with 2- and 3-byte UTF-8 characters on purpose: it exercises the api-server's
 guarantee never to split a multi-byte character.
+
+Logprobs are made up, deterministically and plausibly (``sim_logprobs``): at each position
+one token takes most of the mass (the token the sim generates, or a hashed byte for a
+prompt position), the other bytes share the rest in halves, in a hashed order. So a test
+can check every logprob path without torch: sorted top lists, the sampled token on top,
+probabilities summing to at most 1, the same numbers on every run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 
 from services.engine_worker.batch import ChunkInput
 from shared.tokenizer import EOS
@@ -50,6 +57,28 @@ class SimTokenStream:
         return self.buf[pos]
 
 
+def _prompt_key(prompt: list[int]) -> int:
+    return int.from_bytes(hashlib.blake2b(bytes(t & 0xFF for t in prompt), digest_size=8).digest(), "little")
+
+
+def sim_logprobs(h: int, token: int, k: int, top: int | None = None) -> list:
+    """A made-up distribution keyed by ``h``: [logprob of ``token``, [[id, logprob], ...k best]].
+    ``top`` is the most likely token (default: a byte derived from ``h``)."""
+    h = _mix(h, 0x51)
+    top = (h >> 8) % 256 if top is None else top
+    p0 = 0.5 + 0.49 * ((h >> 20) % 1000) / 1000
+    step = 2 * ((h >> 40) % 128) + 1          # odd: i * step walks all 256 bytes
+    rest = [(top + i * step) % 256 for i in range(1, 256)] if top < 256 else \
+        [((h >> 12) + i * step) % 256 for i in range(256)]
+    lp0, lr = math.log(p0), math.log1p(-p0)
+    ranked = [(top, lp0)] + [(t, lr - (i + 1) * math.log(2)) for i, t in enumerate(rest)]
+    if token == top:
+        mine = lp0
+    else:
+        mine = next((v for t, v in ranked if t == token), lr - 300 * math.log(2))   # a special token
+    return [mine, [[t, v] for t, v in ranked[:k]]]
+
+
 class SimBackend:
     """Returns each sampled token from the request's token stream; the step's device time
     is applied by the worker from the cost model (it needs the group-wide maximum)."""
@@ -57,7 +86,10 @@ class SimBackend:
     def __init__(self) -> None:
         self._streams: dict[str, SimTokenStream] = {}
 
-    def run(self, chunks: list[ChunkInput], prompts: dict[str, list[int]], ignore_eos: dict[str, bool]) -> dict[str, int]:
+    def run(self, chunks: list[ChunkInput], prompts: dict[str, list[int]],
+            eos_from: dict[str, float]) -> dict[str, int]:
+        """``eos_from[id]``: the first position where EOS may end the request (its
+        min_tokens; inf with ignore_eos): before it the sim writes a space instead."""
         out: dict[str, int] = {}
         for c in chunks:
             if not c.sample:
@@ -67,10 +99,38 @@ class SimBackend:
                 stream = self._streams[c.seq_id] = SimTokenStream(c.seed, prompts[c.seq_id])
             pos = c.context_len - c.prompt_len   # index of the token being generated
             tok = stream.token_at(pos)
-            if tok == EOS and ignore_eos.get(c.seq_id):
+            if tok == EOS and pos < eos_from.get(c.seq_id, 0):
                 tok = ord(" ")
             out[c.seq_id] = tok
         return out
 
+    def logprobs(self, chunks: list[ChunkInput], sampled: dict[str, int], prompts: dict[str, list[int]],
+                 want: dict[str, tuple[int | None, int | None, list[int]]]
+                 ) -> tuple[dict[str, list], dict[str, tuple[int, list]]]:
+        """The torch runner's ``run_logprobs`` extras for the sim (sim_logprobs): the sampled
+        token is always the most likely one."""
+        tok_lp: dict[str, list] = {}
+        prompt_lp: dict[str, tuple[int, list]] = {}
+        for c in chunks:
+            w = want.get(c.seq_id)
+            if w is None:
+                continue
+            key = _prompt_key(prompts[c.seq_id])
+            if w[0] is not None and c.sample and c.seq_id in sampled:
+                tok = sampled[c.seq_id]
+                tok_lp[c.seq_id] = sim_logprobs(_mix(key, c.context_len), tok, w[0], top=tok)
+            if w[1] is not None:
+                prompt = w[2]
+                hi = min(c.context_len + 1, len(prompt))
+                if c.start_pos + 1 < hi:
+                    prompt_lp[c.seq_id] = (c.start_pos + 1, [sim_logprobs(_mix(key, q), prompt[q], w[1])
+                                                             for q in range(c.start_pos + 1, hi)])
+        return tok_lp, prompt_lp
+
     def free_seq(self, seq_id: str) -> None:
         self._streams.pop(seq_id, None)
+
+
+def eos_from(params) -> float:
+    """The first position where the sim may emit EOS for a request with these params."""
+    return math.inf if params.ignore_eos else params.min_tokens

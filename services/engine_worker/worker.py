@@ -37,6 +37,8 @@ from services.engine_worker.rank_step import RankStep
 from services.engine_worker.step_budget import BudgetConfig
 from services.engine_worker.scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
+from services.engine_worker.sim_backend import eos_from
+from services.engine_worker.step_logprobs import StepLogprobs
 from shared import trace
 
 
@@ -83,7 +85,8 @@ class EngineWorker(GroupMembership):
         # the step decisions (schedule, row, alignment, batch gate): the simulator runs the same object
         self.rs = RankStep(max(0, settings.rank), self.core, self.gate, budget)
         self.prompts: dict[str, list[int]] = {}
-        self.ignore_eos: dict[str, bool] = {}
+        self.eos_from: dict[str, float] = {}     # sim: first position EOS may end a request
+        self.lp = StepLogprobs()                  # logprobs of the requests that ask for them
         self._acks: list[bytes] = []              # inbox entries to ack in the next round trip
         self._aborted: list[Sequence] = []        # aborted seqs whose final delta is pending
         self._early: list[Any] = []               # outputs decided at admission (rejections)
@@ -170,10 +173,8 @@ class EngineWorker(GroupMembership):
 
     def _make_backend(self) -> Any:
         if self.s.backend == "torch":
-            from services.engine_worker.model.config import MoEConfig
-            from services.engine_worker.model.runner import TorchModelRunner
-            return TorchModelRunner(MoEConfig(seed=self.s.seed), self.rank, self.s.ranks,
-                                    self.s.num_kv_blocks, self.s.block_size, device=self.s.device)
+            from services.engine_worker.model.factory import make_runner
+            return make_runner(self.s, self.rank)     # the bundled model or the checkpoint in --model
         from services.engine_worker.sim_backend import SimBackend
         return SimBackend()
 
@@ -250,9 +251,18 @@ class EngineWorker(GroupMembership):
         t0 = time.perf_counter()
         if self.s.backend == "torch":
             chunks = plan.chunks if action is Action.RUN else []
-            sampled = await asyncio.to_thread(self.backend.run, chunks, self._sampling_extras(chunks))
+            want = self.lp.wants(chunks)
+            if want:
+                sampled, tok_lp, prompt_lp = await asyncio.to_thread(self.backend.run_logprobs, chunks,
+                                                                     self._sampling_extras(chunks), want)
+                self.lp.add(tok_lp, prompt_lp)
+            else:
+                sampled = await asyncio.to_thread(self.backend.run, chunks, self._sampling_extras(chunks))
         else:
-            sampled = self.backend.run(plan.chunks, self.prompts, self.ignore_eos) if action is Action.RUN else {}
+            sampled = self.backend.run(plan.chunks, self.prompts, self.eos_from) if action is Action.RUN else {}
+            want = self.lp.wants(plan.chunks) if action is Action.RUN else None
+            if want:
+                self.lp.add(*self.backend.logprobs(plan.chunks, sampled, self.prompts, want))
             # Lockstep: the step lasts as long as the busiest rank's modeled forward.
             modeled_s = self.cost.step_ms(view.max_tokens, view.max_ctx) * self.s.time_scale / 1000
             left = modeled_s - (time.perf_counter() - t0)
@@ -263,9 +273,10 @@ class EngineWorker(GroupMembership):
         return sampled
 
     def _sampling_extras(self, chunks: list[Any]) -> dict[str, Any] | None:
-        """top_k, min_p and penalties of the sampled sequences that ask for them (torch only);
-        None, the common case, when none does."""
+        """top_k, min_p, penalties, logit_bias and min_tokens' masking of the sampled sequences
+        that ask for them (torch only); None, the common case, when none does."""
         from services.engine_worker.model.sampler import RowExtra
+        from shared.tokenizer import EOS
         out: dict[str, Any] = {}
         for c in chunks:
             if not c.sample:
@@ -274,10 +285,13 @@ class EngineWorker(GroupMembership):
             if seq is None:
                 continue
             p = seq.params
-            if p.top_k > 0 or p.min_p > 0 or p.penalized:
+            early = len(seq.generated) < p.min_tokens
+            if p.top_k > 0 or p.min_p > 0 or p.penalized or p.logit_bias or early:
+                # before min_tokens neither EOS (unless ignored) nor a stop token may be drawn
+                suppress = ([] if p.ignore_eos else [EOS]) + list(p.stop_token_ids) if early else []
                 out[c.seq_id] = RowExtra(p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
                                          p.repetition_penalty, list(seq.prompt) if p.penalized else [],
-                                         list(seq.generated) if p.penalized else [])
+                                         list(seq.generated) if p.penalized else [], p.logit_bias, suppress)
         return out or None
 
     def _ingest(self) -> None:
@@ -296,7 +310,8 @@ class EngineWorker(GroupMembership):
                 seq = Sequence.from_request(req, req.dispatcher or "", req.dispatch_seq)
                 self.entry_of[req.id] = eid
                 self.prompts[req.id] = req.prompt
-                self.ignore_eos[req.id] = req.params.ignore_eos
+                self.eos_from[req.id] = eos_from(req.params)
+                self.lp.track(req.id, req.params, req.prompt)
                 self.log.debug("request_admitted", request_id=req.id, wave=self.wave, step=self.step,
                                prompt_tokens=len(req.prompt), resumed_at=len(req.generated))
                 rejected = self.core.add(seq, time.time())
@@ -371,11 +386,14 @@ class EngineWorker(GroupMembership):
             outputs = [*self._early, *outputs]
             self._early = []
         finished = 0
+        lp = self.lp if self.lp.ids else None
         for out in outputs:
             seq = out.seq
-            by_api[seq.api].append(Delta(seq.id, out.pos, out.new_tokens, out.finish_reason,
-                                         prompt_tokens=len(seq.prompt), rank=self.rank, error=seq.error,
-                                         epoch=seq.epoch))
+            delta = Delta(seq.id, out.pos, out.new_tokens, out.finish_reason, prompt_tokens=len(seq.prompt),
+                          rank=self.rank, error=seq.error, epoch=seq.epoch)
+            if lp is not None:
+                lp.fill(delta)
+            by_api[seq.api].append(delta)
             if out.finish_reason is not None:
                 finished += 1
                 acks.append(self._forget(seq.id))
@@ -446,7 +464,8 @@ class EngineWorker(GroupMembership):
     def _forget(self, seq_id: str) -> bytes | None:
         self.prompts.pop(seq_id, None)
         self.rs.forget(seq_id)
-        self.ignore_eos.pop(seq_id, None)
+        self.eos_from.pop(seq_id, None)
+        self.lp.forget(seq_id)
         free = getattr(self.backend, "free_seq", None)
         if free is not None:
             free(seq_id)

@@ -9,12 +9,16 @@ RNG state; seed None draws from the process RNG (nondeterministic by design).
 The math runs in float64, row by row in effect, so a row's result cannot depend on others.
 
 Optional per-row ``RowExtra`` (vLLM's semantics), applied in this order:
-penalties on the raw logits (greedy rows too): repetition_penalty over prompt + output
+logit_bias added and ``suppress``ed tokens (EOS and stop tokens before min_tokens) set to
+-inf, on every row; then penalties on the raw logits (greedy rows too): repetition_penalty over prompt + output
 tokens (a positive logit is divided by it, a negative one multiplied), then
 frequency_penalty x count and presence_penalty x (count > 0) subtracted, counts over the
 output tokens; then, for sampled rows, after the temperature: top_k (keep the k most
 likely; <= 0 keeps all), min_p (keep tokens with probability >= min_p x the largest), then
 top_p over the mass of what those kept.
+
+``logprobs`` gives each sampled token's log-probability and the k most likely tokens of
+the same step's logits (the raw model output, before any of the above: vLLM's default).
 """
 
 from __future__ import annotations
@@ -50,10 +54,29 @@ class RowExtra:
     repetition_penalty: float = 1.0
     prompt: list[int] = field(default_factory=list)     # for repetition_penalty
     output: list[int] = field(default_factory=list)     # tokens generated so far
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    suppress: list[int] = field(default_factory=list)   # never sampled this step (min_tokens)
 
     @property
     def penalized(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def edits_logits(self) -> bool:
+        return self.penalized or bool(self.logit_bias) or bool(self.suppress)
+
+
+def _bias(row: torch.Tensor, e: RowExtra) -> torch.Tensor:
+    V = row.shape[0]
+    if e.logit_bias:
+        ids = [t for t in e.logit_bias if 0 <= t < V]
+        if ids:
+            row[torch.tensor(ids, device=row.device)] += torch.tensor(
+                [float(e.logit_bias[t]) for t in ids], dtype=row.dtype, device=row.device)
+    ids = [t for t in e.suppress if 0 <= t < V]
+    if ids:
+        row[torch.tensor(ids, device=row.device)] = float("-inf")
+    return row
 
 
 def _penalize(row: torch.Tensor, e: RowExtra) -> torch.Tensor:
@@ -84,11 +107,13 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
         raise ValueError("sample() needs one temperature, top_p, seed and position per row")
     if extras is not None and len(extras) != B:
         raise ValueError("sample() needs one extra (or None) per row")
-    if extras is not None and any(e is not None and e.penalized for e in extras):
+    if extras is not None and any(e is not None and e.edits_logits for e in extras):
         logits = logits.double().clone()
         for i, e in enumerate(extras):
-            if e is not None and e.penalized:
-                logits[i] = _penalize(logits[i], e)
+            if e is not None and e.edits_logits:
+                logits[i] = _bias(logits[i], e)
+                if e.penalized:
+                    logits[i] = _penalize(logits[i], e)
     out = logits.argmax(dim=-1).tolist() if B else []
     rows = [i for i in range(B) if temperatures[i] > 0]
     if not rows:
@@ -130,3 +155,22 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
     for i, t in zip(rows, chosen):
         out[i] = t
     return out
+
+
+def logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[list]:
+    """logits [B, V], the token each row sampled and how many top alternatives it wants ->
+    per row ``[logprob of the token, [[id, logprob], ...k most likely, best first]]``
+    (log-softmax in float32 of the raw logits; ties: lower id first)."""
+    B, V = logits.shape
+    if not (len(tokens) == len(ks) == B):
+        raise ValueError("logprobs() needs one token and one k per row")
+    if not B:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
+    kmax = min(max(ks), V)
+    if kmax <= 0:
+        return [[c, []] for c in chosen]
+    top_lp, top_id = lp.sort(dim=-1, descending=True, stable=True)
+    top_lp, top_id = top_lp[:, :kmax].tolist(), top_id[:, :kmax].tolist()
+    return [[c, [[i, v] for i, v in zip(top_id[r][:ks[r]], top_lp[r][:ks[r]])]] for r, c in enumerate(chosen)]

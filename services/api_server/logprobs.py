@@ -1,0 +1,81 @@
+"""OpenAI's logprobs objects from the engine's entries. Pure.
+
+An entry is ``[logprob, [[id, logprob], ...top k]]`` (services/engine_worker/model/sampler.py),
+or None where it was lost (a request resumed on another rank). A logprob below -9999 (or
+-inf) is shown as -9999.0, as vLLM does, so the JSON stays valid.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.tokenizer import token_bytes, token_text
+
+FLOOR = -9999.0
+
+
+def _lp(v: float | None) -> float | None:
+    if v is None:
+        return None
+    return v if v > FLOOR else FLOOR
+
+
+def _char_starts(tokens: list[int], start: int) -> tuple[list[int], int]:
+    """Each token's offset in the decoded text: characters that start before it (a UTF-8
+    continuation byte or a special token starts none)."""
+    out, n = [], start
+    for t in tokens:
+        out.append(n)
+        if t < 256 and not 0x80 <= t < 0xC0:
+            n += 1
+    return out, n
+
+
+class CompletionLogprobs:
+    """Builds /v1/completions' ``logprobs`` (tokens, token_logprobs, top_logprobs,
+    text_offset), token by token, so a stream can send each piece as it comes. The
+    sampled token is always in its top_logprobs dict (vLLM's shape)."""
+
+    def __init__(self, k: int, offset: int = 0) -> None:
+        self.k = k
+        self.offset = offset      # text offset of the next token
+
+    def part(self, tokens: list[int], entries: list[Any] | None, first_is_none: bool = False) -> dict[str, Any]:
+        entries = entries if entries is not None else [None] * len(tokens)
+        offs, self.offset = _char_starts(tokens, self.offset)
+        lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        for i, (t, e) in enumerate(zip(tokens, entries)):
+            if e is None or (first_is_none and i == 0):
+                lps.append(None)
+                tops.append(None)
+                continue
+            lps.append(_lp(e[0]))
+            top = {token_text(i_): _lp(v) for i_, v in e[1][:self.k]}
+            top.setdefault(token_text(t), _lp(e[0]))
+            tops.append(top)
+        return {"tokens": [token_text(t) for t in tokens], "token_logprobs": lps, "top_logprobs": tops,
+                "text_offset": offs}
+
+
+def join(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for p in parts:
+        for k in out:
+            out[k].extend(p[k])
+    return out
+
+
+def _item(t: int, v: float | None) -> dict[str, Any]:
+    return {"token": token_text(t), "logprob": _lp(v) if v is not None else FLOOR, "bytes": token_bytes(t)}
+
+
+def chat_logprobs(tokens: list[int], entries: list[Any] | None, k: int) -> dict[str, Any]:
+    """/v1/chat/completions' ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    entries = entries if entries is not None else [None] * len(tokens)
+    content = []
+    for t, e in zip(tokens, entries):
+        item = _item(t, e[0] if e is not None else None)
+        item["top_logprobs"] = [_item(i, v) for i, v in e[1][:k]] if e is not None else []
+        content.append(item)
+    return {"content": content}
