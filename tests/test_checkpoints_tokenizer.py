@@ -138,3 +138,25 @@ def test_factory_and_the_byte_tokenizer_satisfy_one_interface(tok_dir):
     assert byte.render_chat([{"role": "user", "content": "a"}]) == "a"
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         HFTokenizer(d / "nowhere")
+
+
+def test_engine_stop_strings_see_the_checkpoints_text(tok_dir):
+    """With the checkpoint's vocabulary the engine's StopChecker stops at the token that
+    completes a stop string (which may end inside a merged token); the byte view would
+    read token ids as bytes and stop at the wrong place or never."""
+    from shared.stop import StopChecker, use_vocabulary
+
+    d, _ = tok_dir
+    tok = HFTokenizer(d)
+    ids = tok.encode("Hello, world! How are you today?")
+    want = next(i for i in range(len(ids)) if "world" in tok.decode(ids[:i + 1]))
+    use_vocabulary(token_bytes_table(tok))
+    try:
+        checker = StopChecker(["world"])
+        assert checker.feed_many(ids) == want
+        resumed = StopChecker(["world"])
+        resumed.prime(ids[:want])          # a resumed request: its streamed tokens, then the next
+        assert resumed.feed(ids[want])
+    finally:
+        use_vocabulary(None)
+    assert StopChecker(["world"]).feed_many(ids) != want   # the byte view misreads these ids

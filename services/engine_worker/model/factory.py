@@ -1,0 +1,56 @@
+"""The engine's torch backend for its settings: the bundled model, or the checkpoint
+directory ``settings.model`` names (its weights on this rank, its vocabulary for stop
+strings, its EOS tokens)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+BUNDLED = ("", "lockstep-moe")      # the names under which the bundled model is served
+
+
+def is_checkpoint(model: str) -> bool:
+    return model not in BUNDLED
+
+
+def check_checkpoint(model: str, ranks: int, max_model_len: int) -> Any:
+    """Refuse, with what to do instead, a directory that cannot be served by ``ranks`` ranks
+    (before any process starts). Returns its HFConfig."""
+    from services.engine_worker.model.loader import read_config, tensor_files
+
+    if not Path(model).is_dir():
+        raise ValueError(f"--model {model!r} is not a directory; give a local Hugging Face checkpoint "
+                         "(`huggingface-cli download ORG/NAME --local-dir DIR`, see README)")
+    cfg = read_config(model)
+    tensor_files(model)                 # the weights are there
+    if not (Path(model) / "tokenizer.json").is_file():
+        raise ValueError(f"{model} has no tokenizer.json")
+    cfg.experts_of_rank(0, ranks)       # the experts split evenly
+    if max_model_len > cfg.max_position:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the checkpoint's {cfg.max_position} positions; "
+                         f"set LOCKSTEP_MAX_MODEL_LEN={cfg.max_position} or less")
+    return cfg
+
+
+def make_runner(settings: Any, rank: int) -> Any:
+    import torch
+
+    from services.engine_worker.model.config import MoEConfig
+    from services.engine_worker.model.runner import TorchModelRunner
+
+    s = settings
+    if not is_checkpoint(s.model):
+        return TorchModelRunner(MoEConfig(seed=s.seed), rank, s.ranks, s.num_kv_blocks, s.block_size, device=s.device)
+    from shared.hf_tokenizer import HFTokenizer, token_bytes_table
+    from shared.stop import use_vocabulary
+
+    check_checkpoint(s.model, s.ranks, s.max_model_len)
+    dtypes = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+              "fp32": torch.float32}
+    if s.dtype not in dtypes:
+        raise ValueError(f"dtype must be auto, bfloat16 or float32, not {s.dtype!r}")
+    runner = TorchModelRunner.from_pretrained(s.model, rank, s.ranks, s.num_kv_blocks, s.block_size,
+                                              device=s.device, dtype=dtypes[s.dtype])
+    use_vocabulary(token_bytes_table(HFTokenizer(s.model)))
+    return runner
