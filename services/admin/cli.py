@@ -166,7 +166,8 @@ def engine_worker(sets: list[str] = SET_OPT) -> None:
 def _register_optional() -> None:
     """Commands that live in their own modules register themselves here."""
     import importlib
-    for mod in ("services.admin.simulate_cmd", "services.admin.bench_cmd", "services.admin.ops", "services.admin.watch"):
+    for mod in ("services.admin.simulate_cmd", "services.admin.bench_cmd", "services.admin.ops", "services.admin.watch",
+                "services.admin.chaos"):
         try:
             module = importlib.import_module(mod)
         except ImportError:
@@ -180,7 +181,7 @@ _register_optional()
 _PANELS = {
     "Run and watch": ("up", "status", "watch"),
     "Inspect and steer": ("steps", "request", "drain", "resume", "config", "init"),
-    "Measure": ("bench", "simulate"),
+    "Measure": ("bench", "simulate", "chaos"),
     "Services (what `up` and compose start)": ("api-server", "scheduler", "engine-worker"),
 }
 _ORDER = [n for names in _PANELS.values() for n in names]

@@ -289,19 +289,26 @@ class LocalCluster:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, on_signal)
         while stop["sig"] is None:
-            for c in list(self.children):
-                code = c.proc.poll()
-                if code is None:
-                    continue
-                if not self._restart(c, code):
-                    self.out(f"lockstep: {c.role} keeps exiting ({MAX_RESTARTS_PER_MIN} times in a minute); "
-                             f"stopping the cluster. Log: {c.log}")
-                    self.stop()
-                    return 1
+            if not self.supervise():
+                return 1
             time.sleep(0.2)
         self.out("lockstep: stopping...")
         self.stop()
         return 0
+
+    def supervise(self) -> bool:
+        """One round of the supervisor: replace the children that exited. False (and the
+        cluster stopped) when one keeps exiting. ``lockstep chaos`` drives it too."""
+        for c in list(self.children):
+            code = c.proc.poll()
+            if code is None:
+                continue
+            if not self._restart(c, code):
+                self.out(f"lockstep: {c.role} keeps exiting ({MAX_RESTARTS_PER_MIN} times in a minute); "
+                         f"stopping the cluster. Log: {c.log}")
+                self.stop()
+                return False
+        return True
 
     def stop(self, timeout_s: float = 10.0) -> None:
         # api-servers first (no new work), then the scheduler, then the engines (and their
