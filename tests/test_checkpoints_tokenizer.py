@@ -73,6 +73,7 @@ def test_chat_template_renders_as_transformers(tok_dir, conv, gen):
 def test_a_richer_template_renders_as_transformers(tok_dir, conv):
     d, ref = tok_dir
     tok = HFTokenizer(d)
+    ref = type(ref).from_pretrained(d)          # a copy: the fixture's keeps its own template
     tok.chat_template = ref.chat_template = RICH_TEMPLATE
     if conv[0]["role"] == "tool":       # raise_exception: both refuse, with the template's message
         with pytest.raises(jinja2.TemplateError, match="bad role: tool"):
@@ -160,3 +161,28 @@ def test_engine_stop_strings_see_the_checkpoints_text(tok_dir):
     finally:
         use_vocabulary(None)
     assert StopChecker(["world"]).feed_many(ids) != want   # the byte view misreads these ids
+
+
+def test_api_parse_uses_the_checkpoints_tokenizer_template_and_eos(tok_dir):
+    from services.api_server.errors import ApiError
+    from services.api_server.protocol import parse
+
+    d, ref = tok_dir
+    tok = HFTokenizer(d)
+    conv = CONVERSATIONS[1]
+    p = parse({"model": "m", "messages": conv, "max_tokens": 5}, "chat", served_model="m", max_model_len=512,
+              num_ranks=1, tok=tok)
+    want = ref.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
+    assert p.prompt == list(want["input_ids"] if hasattr(want, "keys") else want)
+    assert p.params.stop_token_ids == sorted(tok.eos_token_ids) and p.params.ignore_eos   # the byte EOS is off
+    p = parse({"model": "m", "prompt": "Hello, world!", "ignore_eos": True, "stop_token_ids": [5]}, "completion",
+              served_model="m", max_model_len=512, num_ranks=1, tok=tok)
+    assert p.prompt == ref("Hello, world!")["input_ids"] and p.params.stop_token_ids == [5]
+    with pytest.raises(ApiError, match="token ids must be within"):
+        parse({"model": "m", "prompt": [1, tok.vocab_size]}, "completion", served_model="m", max_model_len=512,
+              num_ranks=1, tok=tok)
+    tok.chat_template = RICH_TEMPLATE     # a template's raise_exception is the client's 400, not a 500
+    with pytest.raises(ApiError, match="refused") as e:
+        parse({"model": "m", "messages": [{"role": "developer", "content": "x"}]}, "chat", served_model="m",
+              max_model_len=512, num_ranks=1, tok=tok)
+    assert e.value.status == 400

@@ -6,13 +6,16 @@ it lets every message say exactly what is wrong and which parameter it was.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
 
 from services.api_server.errors import ApiError
 from shared.messages import SamplingParams
+from services.api_server import hf_text
 from shared.tokenizer import BOS, EOS, VOCAB_SIZE, encode
 
 MAX_STOP_STRINGS = 4
@@ -20,6 +23,7 @@ MAX_STOP_LEN = 64
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 128          # engine requests one HTTP request may make: prompts x max(n, best_of)
 
 
 # Parameters that this server knows but does not implement yet. Each is accepted only at
@@ -33,8 +37,6 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "guided_choice": ((), {"type": "null"}),
     "guided_grammar": ((), {"type": "null"}),
     "structured_outputs": ((), {"type": "null"}),
-    "best_of": ((1,), {"type": "integer", "enum": [1]}),
-    "n": ((1,), {"type": "integer", "enum": [1]}),
     "bad_words": (([],), {"type": "array", "maxItems": 0}),
     "include_stop_str_in_output": ((False,), {"type": "boolean", "enum": [False]}),
     "skip_special_tokens": ((True,), {"type": "boolean", "enum": [True]}),
@@ -58,8 +60,7 @@ _NEUTRAL_CHAT: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "web_search_options": ((), {"type": "null"}),
     "store": ((False,), {"type": "boolean", "enum": [False]}),
 }
-_WHY = {"n": "send n separate requests", "best_of": "send separate requests",
-        "tools": "tool calling is not implemented", "tool_choice": "tool calling is not implemented",
+_WHY = {"tools": "tool calling is not implemented", "tool_choice": "tool calling is not implemented",
         "functions": "tool calling is not implemented", "function_call": "tool calling is not implemented"}
 
 # Accepted and informational only: they never change the output (docs/api.md).
@@ -87,6 +88,9 @@ _COMMON: dict[str, Any] = {
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
                    "description": "token id (as a string) -> bias added to its logit"},
     "min_tokens": {"type": "integer", "minimum": 0, "description": "at most max_tokens"},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
+    "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
+                "description": "candidates per prompt (>= n), the n with the highest cumulative logprob are returned"},
     "stop_token_ids": {"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
                        "items": {"type": "integer", "minimum": 0, "maximum": VOCAB_SIZE - 1}},
     **_INFORMATIONAL,
@@ -101,7 +105,10 @@ def _neutral_schemas(table: dict[str, tuple[tuple[Any, ...], dict[str, Any]]]) -
 COMPLETION_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["model", "prompt"],
     "properties": {**_COMMON, **_neutral_schemas(_NEUTRAL_COMPLETION),
-                   "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
+                   "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+                                        {"type": "array", "items": {"type": "string"}, "maxItems": MAX_CHOICES},
+                                        {"type": "array", "maxItems": MAX_CHOICES,
+                                         "items": {"type": "array", "items": {"type": "integer"}}}]},
                    "echo": {"type": "boolean"},
                    "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
                    "max_tokens": {"type": "integer", "minimum": 0,
@@ -144,6 +151,15 @@ class ParsedRequest:
     prompt_text: str = ""
     logprobs: int | None = None    # completions: top k (the sampled token's always); chat: top_logprobs
     drop_output: bool = False      # echo with max_tokens 0: one token is generated and not shown
+    prompts: list[tuple[list[int], str]] | None = None   # batched completions: every prompt (and text)
+    n: int = 1
+    best_of: int = 1
+    best_of_lp: bool = False       # logprobs asked only to rank best_of candidates: not shown
+
+    @property
+    def multi(self) -> bool:
+        """More than one engine request answers this one (multi.py)."""
+        return self.n > 1 or self.best_of > 1 or self.prompts is not None
     ignored: tuple[str, ...] = ()  # unknown top-level fields, ignored (docs/api.md)
 
 
@@ -280,17 +296,29 @@ def unknown_fields(body: dict, kind: str) -> list[str]:
     return [k for k in body if k not in known]
 
 
+def _prompts(prompt: Any, one: Callable[[Any], tuple[list[int], str]]) -> list[tuple[list[int], str]]:
+    """A completion's prompt(s): a string, a token list, or a list of either (batched);
+    ``one`` turns one prompt into (tokens, text)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise ApiError(400, f"at most {MAX_CHOICES} prompts in one request", param="prompt")
+        out = []
+        for i, x in enumerate(prompt):
+            try:
+                out.append(one(x))
+            except ApiError as exc:
+                raise ApiError(400, f"prompt[{i}]: {exc.message}", param="prompt") from None
+        return out
+    return [one(prompt)]
+
+
 def _prompt_tokens(prompt: Any) -> tuple[list[int], str]:
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
     if isinstance(prompt, str):
         return encode(prompt), prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(t < 0 or t > 255 for t in prompt):
             raise ApiError(400, "token ids must be bytes (0..255) for this byte-level model", param="prompt")
         return list(prompt), bytes(prompt).decode("utf-8", errors="replace")
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise ApiError(400, "batched prompts are not supported yet; send one prompt per request", param="prompt")
     raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
 
 
@@ -320,7 +348,8 @@ def _messages(body: dict) -> list[dict[str, str]]:
 
 
 def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ranks: int,
-          header_rank: str | None = None) -> ParsedRequest:
+          header_rank: str | None = None, tok: Any = None) -> ParsedRequest:
+    """``tok``: a served checkpoint's tokenizer (shared/hf_tokenizer.py); None = bytes."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     chat = kind == "chat"
@@ -331,13 +360,19 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{served_model}'",
                        param="model", code="model_not_found")
     _unsupported(body, chat)
-    if chat:
+    batch: list[tuple[list[int], str]] = []
+    if chat and tok is not None:
+        text, prompt = hf_text.chat_prompt(tok, _messages(body))
+    elif chat:
         text = chat_template(_messages(body))
         prompt = encode(text)
     else:
         if "prompt" not in body:
             raise ApiError(400, "'prompt' is required", param="prompt")
-        prompt, text = _prompt_tokens(body["prompt"])
+        batch = _prompts(body["prompt"], _prompt_tokens if tok is None else partial(hf_text.completion_prompt, tok))
+        if any(not toks for toks, _ in batch):
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        prompt, text = max(batch, key=lambda pt: len(pt[0]))   # the room check below takes the longest
     if not prompt:
         raise ApiError(400, "the prompt is empty", param="messages" if chat else "prompt")
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
@@ -374,11 +409,25 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
         params.prompt_logprobs = lp
     params.logit_bias = _logit_bias(body)
     params.stop_token_ids = _stop_token_ids(body)
+    if tok is not None:
+        hf_text.checkpoint_stops(params, tok)
     params.min_tokens = _num(body, "min_tokens", int, 0, lo=0)
     if params.min_tokens > params.max_tokens:
         raise ApiError(400, f"'min_tokens' ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})",
                        param="min_tokens")
     stream = _bool(body, "stream", False)
+    n = _num(body, "n", int, 1, lo=1, hi=MAX_CHOICES)
+    best_of = _num(body, "best_of", int, n, lo=1, hi=MAX_CHOICES)
+    if best_of < n:
+        raise ApiError(400, f"'best_of' ({best_of}) must be at least n ({n})", param="best_of")
+    if best_of > n and stream:
+        raise ApiError(400, "'best_of' greater than n cannot be streamed", param="best_of")
+    prompts = batch if len(batch) > 1 else None
+    if (len(prompts) if prompts else 1) * best_of > MAX_CHOICES:
+        raise ApiError(400, f"prompts x best_of (or n) must be at most {MAX_CHOICES}", param="n")
+    best_of_lp = best_of > n and params.logprobs is None
+    if best_of_lp:
+        params.logprobs = 0        # the candidates are ranked by their cumulative logprob
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
@@ -399,7 +448,8 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
                            param="data_parallel_rank")
     return ParsedRequest(kind=kind, model=model, prompt=prompt, params=params, stream=stream,
                          include_usage=include_usage, rank=rank, echo=echo, prompt_text=text,
-                         ignored=tuple(unknown_fields(body, kind)), logprobs=lp, drop_output=drop_output)
+                         ignored=tuple(unknown_fields(body, kind)), logprobs=lp, drop_output=drop_output,
+                         prompts=prompts, n=n, best_of=best_of, best_of_lp=best_of_lp)
 
 
 # --- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------

@@ -1,0 +1,49 @@
+"""Prompts and stops of a served checkpoint (``--model DIR``): its own tokenizer and chat
+template instead of bytes, and its EOS tokens (generation_config.json) as stop tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from services.api_server.errors import ApiError
+from shared.messages import SamplingParams
+
+
+def checkpoint_dir(model: str) -> str | None:
+    """``model`` when it names a checkpoint directory (config.json + tokenizer.json), else None."""
+    p = Path(model)
+    return str(p) if p.is_dir() and (p / "config.json").is_file() else None
+
+
+def chat_prompt(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    import jinja2
+
+    try:
+        text = tok.render_chat(messages, add_generation_prompt)
+    except (jinja2.TemplateError, ValueError) as exc:   # the template's raise_exception, or none at all
+        raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
+    return text, tok.encode(text, add_special_tokens=False)   # the template wrote the special tokens
+
+
+def completion_prompt(tok: Any, prompt: Any) -> tuple[list[int], str]:
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tok.encode(prompt), prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if any(not 0 <= t < tok.vocab_size for t in prompt):
+            raise ApiError(400, f"token ids must be within 0..{tok.vocab_size - 1}", param="prompt")
+        return list(prompt), tok.decode(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(400, "batched prompts are not supported yet; send one prompt per request", param="prompt")
+    raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
+
+
+def checkpoint_stops(params: SamplingParams, tok: Any) -> None:
+    """The checkpoint's EOS tokens end a request as stop tokens (unless ignore_eos). The
+    engine's own EOS check is the byte model's id, an ordinary token here: ignore_eos
+    turns it off."""
+    if not params.ignore_eos:
+        params.stop_token_ids = sorted(set(params.stop_token_ids) | set(tok.eos_token_ids))
+    params.ignore_eos = True
