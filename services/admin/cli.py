@@ -55,6 +55,12 @@ def up(
                                help="Hot-spare engine processes: started and waiting, one takes over a dead "
                                     "rank at once (0: a dead rank's process is started again instead)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
+    model: Optional[str] = typer.Option(None, "--model", envvar="LOCKSTEP_MODEL",
+                                        help="A local Hugging Face checkpoint directory (Qwen3-MoE, Mixtral, OLMoE) "
+                                             "to serve with its own tokenizer and chat template; default: the "
+                                             "bundled model. Nothing is downloaded (README: Real checkpoints)."),
+    dtype: str = typer.Option("auto", "--dtype", help="With --model: auto (bfloat16 on cuda, float32 on cpu), "
+                                                      "bfloat16 or float32."),
 ) -> None:
     """Start a local cluster: Redis (embedded unless --redis-url), scheduler, engine ranks, api-servers."""
     from services.admin.up import LocalCluster, UpOptions, banner, check_options
@@ -67,13 +73,24 @@ def up(
         _fail(f"unknown --policy {policy!r}; choose one of: {', '.join(policy_names())}", 2)
     if dispatch not in ("scheduler", "client"):
         _fail(f"--dispatch must be 'scheduler' or 'client', not {dispatch!r}", 2)
+    model_env = {}
+    if model and model != "lockstep-moe":
+        from services.engine_worker.model.factory import check_checkpoint
+        if backend != "torch":
+            _fail("--model needs --backend torch (the sim backend makes up byte tokens)", 2)
+        model = os.path.abspath(model)   # the children may start elsewhere
+        try:
+            check_checkpoint(model, ranks, int(os.environ.get("LOCKSTEP_MAX_MODEL_LEN", "4096")))
+        except (OSError, ValueError) as exc:
+            _fail(str(exc), 2)
+        model_env = {"LOCKSTEP_MODEL": model, "LOCKSTEP_DTYPE": dtype}
     if local_state.read(namespace):
         _fail(f"a local cluster already runs in namespace {namespace!r}; stop it first or use --namespace", 2)
     opts = UpOptions(ranks=ranks, api_servers=api_servers, port=port, host=host, backend=backend, policy=policy,
                      dispatch=dispatch, namespace=namespace, redis_url=redis_url, persist_dir=persist,
                      time_scale=time_scale, log_level=log_level, schedulers=schedulers, spares=spares,
                      extra_env={**({"LOCKSTEP_MAX_WAIT_MS": f"{max_wait_ms:g}"} if max_wait_ms is not None else {}),
-                                "LOCKSTEP_ALIGN_TOKENS": "1" if align_tokens else "0"})
+                                "LOCKSTEP_ALIGN_TOKENS": "1" if align_tokens else "0", **model_env})
     try:
         check_options(opts)
     except ValueError as exc:
