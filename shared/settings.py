@@ -148,7 +148,9 @@ class EngineSettings(Settings):
     align_tokens: bool = field(default=True, metadata={"help": "Coordinated prefill: every rank caps its prefill at one shared budget per step (docs/benchmarks.md); applied when every rank has it."})
     align_min_balance: float = field(default=0.9, metadata={"help": "Coordinated prefill under a backlog: the largest budget that keeps a step at least this balanced (0 = the older water-level rule, docs/benchmarks.md)."})
     align_max_hold_steps: int = field(default=32, metadata={"help": "Coordinated prefill: a rank whose prefill was held back this many steps in a row runs it (no starvation)."})
-    align_max_delay_ms: float = field(default=3000.0, metadata={"help": "Coordinated prefill: the longest a prefill waits for a balanced step, scaled by the prefill pending on the other ranks (in full steps, capped at 1): with none pending it starts at once."})
+    align_max_delay_ms: float = field(default=3000.0, metadata={"help": "Coordinated prefill: the longest a prefill waits for a balanced step, scaled by the prefill pending on the other ranks (in units of align_backlog_steps full steps, capped at 1)."})
+    align_min_delay_ms: float = field(default=200.0, metadata={"help": "Coordinated prefill: a prefill may wait this long for others to share its step even with nothing pending elsewhere (0 = start at once; docs/benchmarks.md)."})
+    align_backlog_steps: float = field(default=0.5, metadata={"help": "Coordinated prefill: the group is backlogged when its pending prefill fills this many full steps; then only balance and the hold bound start prefills (docs/benchmarks.md)."})
     gate_timeout_ms: float = field(default=100.0, metadata={"help": "Staggered batches: rank 0 releases a batch whose shares did not all arrive within this."})
     metrics_port: int = field(default=0, metadata={"help": "Serve Prometheus metrics (lockstep_engine_*) on this port (a spare: this port + the rank it takes); 0 = off."})
 

@@ -162,3 +162,18 @@ def test_a_held_prefill_runs_after_max_hold_steps():
     # held while rank 1 can only add a few tokens, then forced after max_hold_steps
     assert got[0][0] < 2048
     assert any(g[0] == 2048 for g in got[1:5])
+
+
+def test_min_delay_lets_a_lone_prefill_wait_for_company_but_not_past_its_deadline():
+    # nothing pending elsewhere: with align_min_delay_ms the prefill is paced over that
+    # window (so prefills arriving meanwhile on other ranks share its steps) and done by it
+    cfg = BudgetConfig(max_tokens=2048, min_balance=0.9, max_hold_steps=1000, max_delay_ms=3000.0,
+                       min_delay_ms=200.0, step_ms=10.0)
+    ranks = [_rank(0, [1500], cfg), _rank(1, [], cfg)]
+    first = _step(ranks, 0.0)
+    assert 0 < first[0] < 1500
+    done, now = first[0], 0.0
+    while done < 1500:
+        now += 0.010
+        done += _step(ranks, now)[0]
+    assert now <= 0.200 + 0.010

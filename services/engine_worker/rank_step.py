@@ -91,7 +91,8 @@ class RankStep:
         cfg = self.budget
         # a prefill may wait for a balanced step in proportion to the prefill pending on the
         # other ranks: with nothing pending elsewhere it starts at once (TTFT first)
-        delay = cfg.max_delay_ms * min(1.0, self.backlog / cfg.backlog_steps) if cfg.min_balance > 0 else None
+        delay = (max(cfg.min_delay_ms, cfg.max_delay_ms * min(1.0, self.backlog / cfg.backlog_steps))
+                 if cfg.min_balance > 0 else None)
         return must_tokens(plan.decode_tokens, pending, now_ms, self.last_step_ms, cfg, delay), queued
 
     def decide(self, plan: StepPlan, view: StepView, now_s: float) -> tuple[Action, int]:

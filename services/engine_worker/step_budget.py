@@ -75,6 +75,7 @@ class BudgetConfig:
     min_balance: float = 0.0        # >0: under a backlog, the largest budget whose step stays this balanced
     backlog_steps: float = 1.0      # a backlog: the group's pending prefill fills this many full steps
     max_hold_steps: int = 0         # >0: a rank whose prefill was held this many steps in a row runs it
+    min_delay_ms: float = 0.0       # with min_balance: a prefill may wait this long even with no backlog
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -87,6 +88,18 @@ class BudgetConfig:
             raise ValueError("min_chunk and max_delay_ms must be >= 0")
         if not 0.0 <= self.min_balance < 1.0:
             raise ValueError("min_balance must be in [0, 1)")
+
+
+def from_settings(settings: Any) -> BudgetConfig | None:
+    """The budget an engine runs with (shared/settings.py EngineSettings): None when
+    coordinated prefill is off. The worker and the simulator's ``default`` entry both use
+    it, so the simulated default is the product's."""
+    if not settings.align_tokens:
+        return None
+    return BudgetConfig(max_tokens=settings.max_num_batched_tokens, max_delay_ms=settings.align_max_delay_ms,
+                        min_delay_ms=settings.align_min_delay_ms, backlog_steps=settings.align_backlog_steps,
+                        min_balance=settings.align_min_balance, max_hold_steps=settings.align_max_hold_steps,
+                        step_ms=0.0)
 
 
 def shared_budget(decode: Sequence[int], tokens: Sequence[int], must: Sequence[int] | None = None,

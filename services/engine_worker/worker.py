@@ -34,7 +34,7 @@ from services.engine_worker.batch_gate import BatchGate
 from services.engine_worker.lockstep import Action, GroupBroken, StepView
 from services.engine_worker.step_view import F_STOP
 from services.engine_worker.rank_step import RankStep
-from services.engine_worker.step_budget import BudgetConfig
+from services.engine_worker.step_budget import from_settings as budget_from_settings
 from services.engine_worker.scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.sim_backend import eos_from
@@ -78,10 +78,7 @@ class EngineWorker(GroupMembership):
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len)
         self.gate = BatchGate(rank=max(0, settings.rank), timeout_s=settings.gate_timeout_ms / 1000)
-        budget = (BudgetConfig(max_tokens=settings.max_num_batched_tokens, max_delay_ms=settings.align_max_delay_ms,
-                               min_balance=settings.align_min_balance, max_hold_steps=settings.align_max_hold_steps,
-                               step_ms=0.0)
-                  if settings.align_tokens else None)
+        budget = budget_from_settings(settings)
         # the step decisions (schedule, row, alignment, batch gate): the simulator runs the same object
         self.rs = RankStep(max(0, settings.rank), self.core, self.gate, budget)
         self.prompts: dict[str, list[int]] = {}

@@ -53,6 +53,7 @@ trigger; TRT-LLM's KV-cache-aware and conversation-aware ADP routers (not the de
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -502,12 +503,14 @@ def policy_specs(lockstep_gate_timeout_s: float = 0.1) -> dict[str, PolicySpec]:
 def _default_spec() -> PolicySpec:
     """What ``lockstep up`` runs with no flags: the scheduler's and the engines' settings
     defaults (shared/settings.py), so this entry can never drift from the product."""
+    from services.engine_worker.step_budget import from_settings as budget_from_settings
     from shared.settings import EngineSettings, SchedulerSettings
     pol = SchedulerSettings.__dataclass_fields__["policy"].default
-    eng = {k: f.default for k, f in EngineSettings.__dataclass_fields__.items()}
-    budget = ({"max_delay_ms": eng["align_max_delay_ms"], "min_balance": eng["align_min_balance"],
-               "max_hold_steps": eng["align_max_hold_steps"], "step_ms": 0.0} if eng["align_tokens"] else None)
-    gate = ("batch", eng["gate_timeout_ms"] / 1000.0) if pol == "staggered" else ()
+    eng = EngineSettings()
+    cfg = budget_from_settings(eng)
+    # max_tokens comes from the simulated profile's engine, like every other entry's
+    budget = None if cfg is None else {k: v for k, v in dataclasses.asdict(cfg).items() if k != "max_tokens"}
+    gate = ("batch", eng.gate_timeout_ms / 1000.0) if pol == "staggered" else ()
     what = f"{pol} placement" + (" + coordinated prefill in the engines" if budget is not None else "")
     return PolicySpec("default", _lockstep(pol), lockstep=True, gate=gate, step_budget=budget,
                       source=f"what `lockstep up` runs with no flags: {what} (shared/settings.py defaults)")

@@ -5,6 +5,10 @@ summarize. Used by ``lockstep simulate``, ``python -m services.simulator`` and
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -74,14 +78,15 @@ def run(*, ranks: int, api_servers: int, workload: str = "bursty", requests: int
     results: list[RunResult] = []
     with ctx:
         task = bar.add_task("ideal", total=len(tr) * (len(specs) + 1)) if bar else None
-        ideal = run_ideal(tr, cfg)
+        with _IdealRun(tr, cfg, beside=bool(specs)) as pending:
+            for spec in specs:
+                if bar:
+                    bar.update(task, description=spec.name)
+                cb = (lambda k: bar.advance(task, k)) if bar else None
+                results.append(run_policy(tr, spec, cfg, progress=cb))
+            ideal = pending.result()
         if bar:
             bar.advance(task, len(tr))
-        for spec in specs:
-            if bar:
-                bar.update(task, description=spec.name)
-            cb = (lambda k: bar.advance(task, k)) if bar else None
-            results.append(run_policy(tr, spec, cfg, progress=cb))
     config = {"ranks": ranks, "api_servers": api_servers, "workload": workload if trace is None else None,
               "requests": len(tr), "rate": rate if trace is None else None, "seed": seed,
               "trace": {**tr.describe(), "file": str(trace) if trace else None},
@@ -92,6 +97,39 @@ def run(*, ranks: int, api_servers: int, workload: str = "bursty", requests: int
     doc = report.document(config, results, ideal)
     doc["default"] = DEFAULT_SIM_POLICY if DEFAULT_SIM_POLICY in doc["policies"] else None
     return doc, results
+
+
+class _IdealRun:
+    """The ideal run of a trace, in a forked process beside the policies' runs when the
+    machine has a core to spare and the trace is large enough to repay the fork (it is a
+    third of a one-policy run's time: 100,000 requests x 32 ranks, 26 s of 85 s)."""
+
+    MIN_REQUESTS = 20000
+
+    def __init__(self, tr: Any, cfg: SimConfig, beside: bool) -> None:
+        self.tr, self.cfg, self._pool, self._future = tr, cfg, None, None
+        if beside and len(tr) >= self.MIN_REQUESTS and (os.cpu_count() or 1) > 1 \
+                and multiprocessing.current_process().daemon is False:
+            try:
+                self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+                self._future = self._pool.submit(run_ideal, tr, cfg)
+            except (OSError, ValueError):   # no fork here: run it in line instead
+                self._pool = None
+
+    def __enter__(self) -> "_IdealRun":
+        return self
+
+    def result(self) -> RunResult:
+        if self._future is not None:
+            try:
+                return self._future.result()
+            except BrokenProcessPool:    # the child died (memory): run it in line
+                pass
+        return run_ideal(self.tr, self.cfg)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 workload_mod = workload
