@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import importlib.metadata
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import orjson
@@ -19,6 +21,7 @@ from services.api_server.errors import ApiError, error_response
 from services.api_server.gateway import Gateway, RequestChannel, client_policy
 from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, join
 from services.api_server.metrics import ApiMetrics
+from services.api_server import hf_text
 from services.api_server.protocol import (CHAT_SCHEMA, CHAT_TEMPLATE, COMPLETION_SCHEMA, DETOKENIZE_SCHEMA,
                                          SPECIAL_TOKENS, TOKENIZE_SCHEMA, ParsedRequest, openapi_body, parse,
                                          parse_detokenize, parse_tokenize, token_str)
@@ -29,7 +32,9 @@ from shared.messages import Request
 from shared.settings import ApiServerSettings
 from shared.stop import TextStopper
 from shared.tokenizer import BOS, EOS, VOCAB_SIZE, StreamDecoder, decode
+from shared import tokenizer as _bytes
 from shared import trace
+from shared.hf_tokenizer import HFTokenizer
 
 def _version() -> str:
     try:
@@ -114,6 +119,12 @@ def create_app(settings: ApiServerSettings) -> Any:
     warned: set[str] = set()   # unknown request fields already logged (once per name per process)
     keys = K.Keys(settings.namespace)
     state: dict[str, Any] = {}
+    # A checkpoint directory as the model: its own tokenizer and chat template, served
+    # under the directory's name (issue #16); else the byte tokenizer.
+    ckpt = hf_text.checkpoint_dir(settings.model)
+    tok = HFTokenizer(ckpt) if ckpt else None
+    if ckpt:
+        settings = dataclasses.replace(settings, model=Path(ckpt).name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -229,7 +240,7 @@ def create_app(settings: ApiServerSettings) -> Any:
     @app.post("/detokenize", openapi_extra=openapi_body(DETOKENIZE_SCHEMA))
     async def detokenize(request: HttpRequest) -> Response:
         check_auth(request)
-        return _json({"prompt": decode(parse_detokenize(await _body(request), settings.model))})
+        return _json({"prompt": (tok or _bytes).decode(parse_detokenize(await _body(request), settings.model))})
 
     async def handle(request: HttpRequest, kind: str) -> Response:
         endpoint = "chat" if kind == "chat" else "completions"
@@ -244,7 +255,8 @@ def create_app(settings: ApiServerSettings) -> Any:
                 raise ApiError(400, f"invalid JSON body: {exc}") from None
             gw: Gateway = state["gw"]
             parsed = parse(body, kind, served_model=settings.model, max_model_len=settings.max_model_len,
-                           num_ranks=gw.num_ranks, header_rank=request.headers.get("x-data-parallel-rank"))
+                           num_ranks=gw.num_ranks, header_rank=request.headers.get("x-data-parallel-rank"),
+                           tok=tok)
             if parsed.ignored and len(warned) < 256 and not warned.issuperset(parsed.ignored):
                 new = sorted(set(parsed.ignored) - warned)
                 warned.update(new)
@@ -314,7 +326,7 @@ def create_app(settings: ApiServerSettings) -> Any:
             raise ApiError(503, f"the request could not be completed: {ch.error or ch.finish}; retry it",
                            code="engine_error")
         tokens = _shown(p, ch)
-        dec, stopper = StreamDecoder(), TextStopper(p.params.stop)
+        dec, stopper = p.decoder(), TextStopper(p.params.stop)
         text = _feed(p, dec, stopper, _text_tokens(p, ch, tokens), 0) + stopper.feed(dec.flush()) + stopper.finish()
         finish = "stop" if stopper.stopped else ch.finish
         _observe(ch, t0, len(ch.tokens))
@@ -368,7 +380,7 @@ def create_app(settings: ApiServerSettings) -> Any:
 
         t0 = time.monotonic()
         deadline = t0 + settings.request_timeout_s
-        dec, stopper = StreamDecoder(), TextStopper(p.params.stop)
+        dec, stopper = p.decoder(), TextStopper(p.params.stop)
         sent = 0
         finished = False
         want_lp = p.logprobs is not None

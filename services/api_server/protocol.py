@@ -16,7 +16,7 @@ import orjson
 from services.api_server.errors import ApiError
 from shared.messages import SamplingParams
 from services.api_server import hf_text
-from shared.tokenizer import BOS, EOS, VOCAB_SIZE, encode
+from shared.tokenizer import BOS, EOS, VOCAB_SIZE, StreamDecoder, encode
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LEN = 64
@@ -161,6 +161,11 @@ class ParsedRequest:
         """More than one engine request answers this one (multi.py)."""
         return self.n > 1 or self.best_of > 1 or self.prompts is not None
     ignored: tuple[str, ...] = ()  # unknown top-level fields, ignored (docs/api.md)
+    tok: Any = None                # a served checkpoint's tokenizer (None: bytes)
+
+    def decoder(self) -> Any:
+        """A streaming detokenizer of this request's model."""
+        return self.tok.stream_decoder() if self.tok is not None else StreamDecoder()
 
 
 def chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -449,7 +454,7 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
     return ParsedRequest(kind=kind, model=model, prompt=prompt, params=params, stream=stream,
                          include_usage=include_usage, rank=rank, echo=echo, prompt_text=text,
                          ignored=tuple(unknown_fields(body, kind)), logprobs=lp, drop_output=drop_output,
-                         prompts=prompts, n=n, best_of=best_of, best_of_lp=best_of_lp)
+                         prompts=prompts, n=n, best_of=best_of, best_of_lp=best_of_lp, tok=tok)
 
 
 # --- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------
