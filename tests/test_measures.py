@@ -201,3 +201,38 @@ def test_lockstep_bench_json_without_step_stats_exits_1_with_error(monkeypatch):
     assert doc["balance_ratio"] is None and doc["idle_forward_fraction"] is None
     assert "--namespace" in doc["error"] and "'wrongns'" in doc["error"]
     assert "read no step stats" in res.stderr
+
+
+def test_lockstep_bench_load_runs_at_a_fraction_of_the_measured_capacity(monkeypatch):
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    from services.admin import bench_cmd
+
+    calls = []
+
+    async def fake_run_bench(url, redis_url, namespace, workload, requests, rate, seed, trace, *a, at_once=False, **kw):
+        calls.append((rate, at_once))
+        # the probe: 10 requests all at once take 2 s -> capacity 5 requests/s
+        return {"url": url, "namespace": namespace, "model": "m", "trace": workload, "requests": requests,
+                "completed": requests, "failed": 0, "duration_s": 2.0 if at_once else 9.0,
+                "throughput_tok_s": 1.0, "balance_ratio": 0.9, "idle_forward_fraction": 0.0}
+
+    monkeypatch.setattr(bench_cmd, "run_bench", fake_run_bench)
+    app = typer.Typer()
+    bench_cmd.register(app)
+    app.command("noop")(lambda: None)
+    base = ["bench", "--url", "http://x", "--redis-url", "redis://h:1/0", "--requests", "10", "--json"]
+    res = CliRunner().invoke(app, base + ["--load", "1.2"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    assert calls == [(bench_cmd.DEFAULT_RATE, True), (pytest.approx(6.0), False)]
+    assert doc["capacity_rps"] == pytest.approx(5.0) and doc["rate"] == pytest.approx(6.0)
+    assert doc["capacity_measured"] is True and doc["capacity_probe"]["completed"] == 10
+    calls.clear()                           # a given capacity is not measured
+    res = CliRunner().invoke(app, base + ["--load", "0.5", "--capacity", "8"])
+    assert res.exit_code == 0 and calls == [(pytest.approx(4.0), False)]
+    res = CliRunner().invoke(app, base + ["--capacity", "8"])
+    assert res.exit_code == 2 and "only applies with --load" in res.stderr

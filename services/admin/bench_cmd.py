@@ -15,7 +15,10 @@ DESIGN §6 for that run.
 
 The trace is the simulator's (services/simulator/workload.py): ``--workload
 poisson|bursty|onoff|heavy-tail|ramp|offline`` generated from ``--requests/--rate/--seed``, or ``--trace FILE``
-(JSONL: ``{"t", "prompt_tokens", "output_tokens"[, "api_server"]}``). A request is a prompt
+(JSONL: ``{"t", "prompt_tokens", "output_tokens"[, "api_server"]}``). ``--load F`` runs a
+generated workload at ``F`` x the cluster's capacity: the requests/s it completes when the
+same requests all arrive at once (a probe run first; ``--capacity`` gives it instead, so
+several clusters get the same trace), the live counterpart of the simulator's sweeps. A request is a prompt
 of ``prompt_tokens`` bytes (the tokenizer is byte-level, so exactly that many tokens) with
 ``max_tokens = output_tokens`` and ``ignore_eos``, so every request costs what the trace
 says. ``api_server`` is recorded but not used: every replica shares one port.
@@ -249,7 +252,8 @@ async def _model(client: Any, base: str) -> tuple[str, int]:
 
 
 async def run_bench(url: str, redis_url: str | None, namespace: str, workload: str, requests: int,
-                    rate: float, seed: int, trace: Optional[Path], progress: bool = True) -> dict[str, Any]:
+                    rate: float, seed: int, trace: Optional[Path], progress: bool = True,
+                    at_once: bool = False) -> dict[str, Any]:
     import httpx
 
     from shared import keys as K
@@ -265,6 +269,10 @@ async def run_bench(url: str, redis_url: str | None, namespace: str, workload: s
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
             raise ConnectionError(f"cannot reach the lockstep API at {base}: {exc}") from None
         name, items = build_trace(workload, requests, rate, seed, trace, max_model_len)
+        if at_once:   # the capacity probe: the same requests, all at t=0
+            name = f"{name} (all at once)"
+            for it in items:
+                it.t = 0.0
         # Open the connections a burst will need before the clock starts, so the first
         # requests of the trace do not pay TCP set-up (and a cold replica's first request).
         await asyncio.gather(*(client.get(base + "/models") for _ in range(min(len(items), WARM_CONNECTIONS))),
@@ -369,6 +377,13 @@ def bench(
     rate: float = typer.Option(DEFAULT_RATE, "--rate", min=0.0, help="Mean requests/s of the generated workload."),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated workload."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="JSONL trace: {t, prompt_tokens, output_tokens[, api_server]} per line."),
+    load: Optional[float] = typer.Option(None, "--load", min=0.01,
+                                         help="Run at this fraction of the cluster's capacity (sets --rate): "
+                                              "capacity = requests/s completed when the same requests "
+                                              "all arrive at once (measured first, unless --capacity)."),
+    capacity: Optional[float] = typer.Option(None, "--capacity", min=0.0,
+                                             help="With --load: the capacity in requests/s, not measured "
+                                                  "(give several clusters the same trace)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
     """Benchmark a running cluster: TTFT/ITL/throughput from the client, balance and idle forwards from the step stats."""
@@ -393,8 +408,30 @@ def bench(
     except local_state.NoCluster:
         rurl = None
         typer.secho("lockstep bench: no Redis URL; reporting client-side measures only", err=True)
+    if load is not None and trace is not None:
+        fail("--load scales a generated workload's rate; a --trace keeps its own arrival times")
+    if capacity is not None and load is None:
+        fail("--capacity only applies with --load")
     try:
+        probe = None
+        if load is not None:
+            if capacity is None:
+                probe = asyncio.run(run_bench(url, rurl, namespace, workload, requests, rate, seed, None,
+                                              at_once=True))
+                if not probe["completed"] or not probe["duration_s"]:
+                    fail("the capacity probe completed no request: is the cluster serving?", 1)
+                capacity = probe["completed"] / probe["duration_s"]
+                if not as_json:
+                    typer.echo(f"capacity: {capacity:.2f} requests/s ({probe['completed']} requests all at once "
+                               f"in {probe['duration_s']:.1f} s); running at {load:g}x = {load * capacity:.2f}/s",
+                               err=True)
+            rate = load * capacity
         doc = asyncio.run(run_bench(url, rurl, namespace, workload, requests, rate, seed, trace))
+        if load is not None:
+            doc.update(load=load, rate=rate, capacity_rps=capacity,
+                       capacity_measured=probe is not None,
+                       capacity_probe={k: probe[k] for k in ("requests", "completed", "duration_s",
+                                                              "throughput_tok_s")} if probe else None)
     except (ValueError, OSError) as exc:
         fail(str(exc))
     if as_json:
