@@ -205,3 +205,16 @@ def test_two_and_four_ep_ranks_match_transformers(checkpoints, tmp_path):
             # every rank reads the same shared weights and an equal share of the experts
             assert len(set(full.values())) == 1
         assert results[0][(name, 4)]["read"] < results[0][(name, 2)]["read"]
+
+
+@pytest.mark.slow
+def test_bench_reports_steps_and_collective_share_for_a_checkpoint(checkpoints, capsys):
+    from services.engine_worker.model import bench
+
+    path = str(checkpoints["mixtral"][0])
+    assert bench.main(["--model", path, "--ranks", "2", "--seqs", "4", "--prompt-len", "8", "--steps", "3",
+                       "--warmup", "1", "--idle-steps", "2", "--json", "--timeout", "120"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["model"] == path and out["ranks"] == 2
+    assert out["steps_per_s"] > 0 and 0 < out["collective_share_median"] < 1
+    assert out["all_to_all_calls_per_step"] == 3 * 2          # 3 per MoE layer, 2 layers

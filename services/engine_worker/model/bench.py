@@ -1,6 +1,7 @@
 """Decode-step benchmark of the expert-parallel model on gloo CPU ranks.
 
     python -m services.engine_worker.model.bench --ranks 2 [--seqs 32] [--steps 40] [--json]
+    python -m services.engine_worker.model.bench --model DIR --ranks 2   # a loaded checkpoint
 
 Each rank prefills ``--seqs`` prompts, then runs greedy decode steps of one token per
 sequence. Before each timed step the ranks meet at a barrier (not timed), so a step's time
@@ -43,13 +44,21 @@ def _worker(rank: int, args: argparse.Namespace, port: int, results) -> None:
         from services.engine_worker.batch import ChunkInput
         from services.engine_worker.model import MoEConfig, TorchModelRunner
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=args.ranks, timeout=timedelta(seconds=120))
         bs = args.block_size
         blocks_per_seq = -(-(args.prompt_len + args.warmup + args.steps + args.idle_steps + 1) // bs)
-        runner = TorchModelRunner(MoEConfig(), rank, args.ranks, args.seqs * blocks_per_seq, bs)
+        if args.model:
+            import torch
+            dtype = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+            device = f"cuda:{rank}" if args.device == "cuda" else "cpu"   # one GPU per rank
+            runner = TorchModelRunner.from_pretrained(args.model, rank, args.ranks, args.seqs * blocks_per_seq, bs,
+                                                      device=device, dtype=dtype)
+        else:
+            runner = TorchModelRunner(MoEConfig(), rank, args.ranks, args.seqs * blocks_per_seq, bs)
+        vocab = runner.config.vocab_size if args.model else 256
         tables = {f"s{i}": list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(args.seqs)}
-        toks = {s: [(17 * i + 31 * rank + j) % 256 for j in range(args.prompt_len)]
+        toks = {s: [(17 * i + 31 * rank + j) % vocab for j in range(args.prompt_len)]
                 for i, s in enumerate(tables)}
         runner.run([ChunkInput(s, toks[s], 0, tables[s], True, temperature=0.0) for s in tables])  # prefill
         for s in toks:
@@ -85,6 +94,7 @@ def _summarize(args: argparse.Namespace, per_rank: list[dict]) -> dict:
     comm_ms = [statistics.fmean(r["busy"][i][1] for r in per_rank) * 1e3 for i in range(steps)]
     n_idle = len(per_rank[0]["idle"])
     out = {
+        "model": args.model or "bundled",
         "ranks": args.ranks,
         "seqs_per_rank": args.seqs,
         "context_tokens": args.prompt_len,
@@ -113,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--model", default="", help="a local Hugging Face checkpoint directory (default: the bundled model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
 
     ctx = mp.get_context("spawn")
