@@ -114,7 +114,7 @@ NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty"
 
 REFUSED_BOTH = [("response_format", {"type": "json_object"}), ("guided_json", {"type": "object"}),
                 ("guided_regex", "a+"), ("guided_choice", ["a"]), ("structured_outputs", {"json": {}}),
-                ("n", 2), ("best_of", 3), ("include_stop_str_in_output", True),
+                ("include_stop_str_in_output", True),
                 ("skip_special_tokens", False), ("prompt_logprobs", 1)]
 REFUSED_COMPLETION = [("suffix", "tail")]
 REFUSED_CHAT = [("tools", [{"type": "function"}]),
@@ -191,8 +191,6 @@ def test_continuous_usage_stats_refused(client):
 
 def test_sdk_typed_parameters_refused(client):
     """The SDK's own keyword arguments, not only extra_body."""
-    _refused(lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                                    n=2), "n")
     _refused(lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                                     response_format={"type": "json_object"}), "response_format")
     _refused(lambda: client.completions.create(model=MODEL, prompt="x", suffix="tail"), "suffix")

@@ -165,8 +165,8 @@ def test_models_health_metrics(sim_cluster, client):
     (b'{"model": "lockstep-moe", "prompt": "x", "max_tokens": "ten"}', 400, "max_tokens"),
     (b'{"model": "lockstep-moe", "prompt": "x", "max_tokens": 10000000}', 400, "max_tokens"),
     (b'{"model": "lockstep-moe", "prompt": "x", "temperature": 9}', 400, "temperature"),
-    (b'{"model": "lockstep-moe", "prompt": "x", "n": 2}', 400, "n"),
-    (b'{"model": "lockstep-moe", "prompt": "x", "logprobs": 2}', 400, "logprobs"),
+    (b'{"model": "lockstep-moe", "prompt": "x", "n": 0}', 400, "n"),
+    (b'{"model": "lockstep-moe", "prompt": "x", "logprobs": 21}', 400, "logprobs"),
     (b'{"model": "lockstep-moe", "prompt": "x", "data_parallel_rank": 7}', 400, "data_parallel_rank"),
 ])
 def test_bad_input_gets_openai_errors(sim_cluster, body, status, param):

@@ -19,7 +19,9 @@ from starlette.responses import Response, StreamingResponse
 
 from services.api_server.errors import ApiError, error_response
 from services.api_server.gateway import Gateway, RequestChannel, client_policy
-from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, join
+from services.api_server.choice import feed as _feed, final, prompt_part, text_tokens as _text_tokens
+from services.api_server.logprobs import CompletionLogprobs, chat_logprobs
+from services.api_server.multi import run_multi
 from services.api_server.metrics import ApiMetrics
 from services.api_server import hf_text
 from services.api_server.protocol import (CHAT_SCHEMA, CHAT_TEMPLATE, COMPLETION_SCHEMA, DETOKENIZE_SCHEMA,
@@ -217,6 +219,8 @@ def create_app(settings: ApiServerSettings) -> Any:
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> Response:
+        if tok is not None:
+            return _json(hf_text.tokenizer_info(tok, settings.max_model_len))
         return _json({"tokenizer_class": "ByteLevelTokenizer", "vocab_size": VOCAB_SIZE,
                       "model_max_length": settings.max_model_len, "eos_token": SPECIAL_TOKENS[EOS],
                       "eos_token_id": EOS, "bos_token": SPECIAL_TOKENS[BOS], "bos_token_id": BOS,
@@ -233,14 +237,14 @@ def create_app(settings: ApiServerSettings) -> Any:
     @app.post("/tokenize", openapi_extra=openapi_body(TOKENIZE_SCHEMA))
     async def tokenize(request: HttpRequest) -> Response:
         check_auth(request)
-        tokens, strs = parse_tokenize(await _body(request), settings.model)
+        tokens, strs = parse_tokenize(await _body(request), settings.model, tok)
         return _json({"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens,
-                      "token_strs": [token_str(t) for t in tokens] if strs else None})
+                      "token_strs": [tok.token_str(t) if tok else token_str(t) for t in tokens] if strs else None})
 
     @app.post("/detokenize", openapi_extra=openapi_body(DETOKENIZE_SCHEMA))
     async def detokenize(request: HttpRequest) -> Response:
         check_auth(request)
-        return _json({"prompt": (tok or _bytes).decode(parse_detokenize(await _body(request), settings.model))})
+        return _json({"prompt": (tok or _bytes).decode(parse_detokenize(await _body(request), settings.model, tok))})
 
     async def handle(request: HttpRequest, kind: str) -> Response:
         endpoint = "chat" if kind == "chat" else "completions"
@@ -275,6 +279,8 @@ def create_app(settings: ApiServerSettings) -> Any:
     async def _run(request: HttpRequest, p: ParsedRequest, gw: Gateway) -> Response:
         prefix = "chatcmpl-" if p.kind == "chat" else "cmpl-"
         rid = prefix + uuid.uuid4().hex
+        if p.multi:
+            return await run_multi(request, p, gw, rid, api_id, settings, metrics)
         now = time.time()
         req = Request(id=rid, api=api_id, prompt=p.prompt, params=p.params, arrival=now, rank=p.rank)
         metrics.prompt_tokens.inc(len(p.prompt))
@@ -325,29 +331,13 @@ def create_app(settings: ApiServerSettings) -> Any:
         if ch.finish in ("error", "abort"):
             raise ApiError(503, f"the request could not be completed: {ch.error or ch.finish}; retry it",
                            code="engine_error")
-        tokens = _shown(p, ch)
-        dec, stopper = p.decoder(), TextStopper(p.params.stop)
-        text = _feed(p, dec, stopper, _text_tokens(p, ch, tokens), 0) + stopper.feed(dec.flush()) + stopper.finish()
-        finish = "stop" if stopper.stopped else ch.finish
         _observe(ch, t0, len(ch.tokens))
-        usage = _usage(p, ch)
+        choice = final(p, ch, 0, p.prompt, p.prompt_text)
         if p.kind == "chat":
-            lp = chat_logprobs(tokens, ch.logprobs, p.logprobs) if p.logprobs is not None else None
             return _json({"id": rid, "object": "chat.completion", "created": created, "model": p.model,
-                          "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                       "logprobs": lp, "finish_reason": finish}],
-                          "usage": usage, "system_fingerprint": None})
-        lp = None
-        if p.logprobs is not None:
-            cl = CompletionLogprobs(p.logprobs)
-            parts = [_prompt_part(p, ch, cl)] if p.echo else []
-            parts.append(cl.part(tokens, ch.logprobs))
-            lp = join(parts)
-        if p.echo:
-            text = p.prompt_text + text
+                          "choices": [choice], "usage": _usage(p, ch), "system_fingerprint": None})
         return _json({"id": rid, "object": "text_completion", "created": created, "model": p.model,
-                      "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
-                      "usage": usage})
+                      "choices": [choice], "usage": _usage(p, ch)})
 
     def _usage(p: ParsedRequest, ch: RequestChannel) -> dict[str, int]:
         pt, n = ch.prompt_tokens, 0 if p.drop_output else len(ch.tokens)
@@ -407,7 +397,7 @@ def create_app(settings: ApiServerSettings) -> Any:
                         return
                 if echo_due and (ch.tokens or ch.finish is not None):
                     echo_due = False
-                    yield chunk(p.prompt_text, None, lp=_prompt_part(p, ch, cl))
+                    yield chunk(p.prompt_text, None, lp=prompt_part(p.prompt, ch, cl))
                 new = ch.tokens[sent:]
                 lps = ch.logprobs[sent:sent + len(new)] if want_lp and ch.logprobs is not None else None
                 sent += len(new)
@@ -463,42 +453,6 @@ def create_app(settings: ApiServerSettings) -> Any:
     hot = HotPaths(app, {"/v1/completions": lambda request: handle(request, "completion"),
                          "/v1/chat/completions": lambda request: handle(request, "chat")}, log)
     return BodyLimit(hot, limit=settings.max_body_bytes)
-
-
-def _feed(p: ParsedRequest, dec: StreamDecoder, stopper: TextStopper, tokens: list[int], start: int) -> str:
-    """Text of ``tokens`` (the generated ones from index ``start``) through the stop-string
-    filter, except the first min_tokens tokens: the engine does not stop on a stop string
-    there, so the text is not cut there either."""
-    k = max(0, min(len(tokens), p.params.min_tokens - start)) if p.params.stop else 0
-    if not k:
-        return stopper.feed(dec.feed(tokens))
-    head = dec.feed(tokens[:k])
-    return head + stopper.feed(dec.feed(tokens[k:])) if k < len(tokens) else head
-
-
-def _shown(p: ParsedRequest, ch: RequestChannel) -> list[int]:
-    """The generated tokens the response shows (none for echo with max_tokens 0)."""
-    return [] if p.drop_output else ch.tokens
-
-
-def _text_tokens(p: ParsedRequest, ch: RequestChannel, tokens: list[int], end: int | None = None) -> list[int]:
-    """``tokens`` (ending at ``end`` among the generated ones) less a final stop token:
-    vLLM counts it and shows it in logprobs, but not in the text."""
-    end = len(ch.tokens) if end is None else end
-    if (tokens and ch.finish == "stop" and end == len(ch.tokens) and p.params.stop_token_ids
-            and tokens[-1] in p.params.stop_token_ids):
-        return tokens[:-1]
-    return tokens
-
-
-def _prompt_part(p: ParsedRequest, ch: RequestChannel, cl: CompletionLogprobs | None) -> dict[str, Any] | None:
-    """The echoed prompt's logprobs (the first token has none, as in vLLM)."""
-    if cl is None:
-        return None
-    got = ch.prompt_lp or []
-    entries = [None, *got[:len(p.prompt) - 1]]
-    entries += [None] * (len(p.prompt) - len(entries))
-    return cl.part(p.prompt, entries, first_is_none=True)
 
 
 def _sse_error(status: int, message: str) -> bytes:

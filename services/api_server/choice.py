@@ -1,0 +1,127 @@
+"""One choice of a response, from its request's channel: text through the stop-string
+filter, logprobs, finish reason. Pure (no I/O); the single-request path and the
+several-request one (multi.py) both build their choices with it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.api_server.gateway import RequestChannel
+from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, join
+from services.api_server.protocol import ParsedRequest
+from shared.stop import TextStopper
+from shared.tokenizer import StreamDecoder
+
+
+def shown(p: ParsedRequest, ch: RequestChannel) -> list[int]:
+    """The generated tokens the response shows (none for echo with max_tokens 0)."""
+    return [] if p.drop_output else ch.tokens
+
+
+def text_tokens(p: ParsedRequest, ch: RequestChannel, tokens: list[int], end: int | None = None) -> list[int]:
+    """``tokens`` (ending at ``end`` among the generated ones) less a final stop token:
+    vLLM counts it and shows it in logprobs, but not in the text."""
+    end = len(ch.tokens) if end is None else end
+    if (tokens and ch.finish == "stop" and end == len(ch.tokens) and p.params.stop_token_ids
+            and tokens[-1] in p.params.stop_token_ids):
+        return tokens[:-1]
+    return tokens
+
+
+def feed(p: ParsedRequest, dec: StreamDecoder, stopper: TextStopper, tokens: list[int], start: int) -> str:
+    """Text of ``tokens`` (the generated ones from index ``start``) through the stop-string
+    filter, except the first min_tokens tokens: the engine does not stop on a stop string
+    there, so the text is not cut there either."""
+    k = max(0, min(len(tokens), p.params.min_tokens - start)) if p.params.stop else 0
+    if not k:
+        return stopper.feed(dec.feed(tokens))
+    head = dec.feed(tokens[:k])
+    return head + stopper.feed(dec.feed(tokens[k:])) if k < len(tokens) else head
+
+
+def prompt_part(prompt: list[int], ch: RequestChannel, cl: CompletionLogprobs | None) -> dict[str, Any] | None:
+    """The echoed prompt's logprobs (the first token has none, as in vLLM)."""
+    if cl is None:
+        return None
+    got = ch.prompt_lp or []
+    entries = [None, *got[:len(prompt) - 1]]
+    entries += [None] * (len(prompt) - len(entries))
+    return cl.part(prompt, entries, first_is_none=True)
+
+
+def final(p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], prompt_text: str) -> dict[str, Any]:
+    """The whole choice of a finished request (non-streaming responses)."""
+    tokens = shown(p, ch)
+    dec, stopper = p.decoder(), TextStopper(p.params.stop)
+    text = feed(p, dec, stopper, text_tokens(p, ch, tokens), 0) + stopper.feed(dec.flush()) + stopper.finish()
+    finish = "stop" if stopper.stopped else ch.finish
+    if p.kind == "chat":
+        lp = chat_logprobs(tokens, ch.logprobs, p.logprobs) if p.logprobs is not None else None
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                "finish_reason": finish}
+    lp = None
+    if p.logprobs is not None:
+        cl = CompletionLogprobs(p.logprobs)
+        parts = [prompt_part(prompt, ch, cl)] if p.echo else []
+        parts.append(cl.part(tokens, ch.logprobs))
+        lp = join(parts)
+    if p.echo:
+        text = prompt_text + text
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+
+class StreamChoice:
+    """One choice of a streamed response: what its channel has that was not sent yet, as
+    ``choices`` entries (the caller wraps them in chunks)."""
+
+    def __init__(self, p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], prompt_text: str) -> None:
+        self.p, self.ch, self.index = p, ch, index
+        self.prompt, self.prompt_text = prompt, prompt_text
+        self.dec, self.stopper = p.decoder(), TextStopper(p.params.stop)
+        self.want_lp = p.logprobs is not None
+        self.cl = CompletionLogprobs(p.logprobs or 0) if self.want_lp and p.kind != "chat" else None
+        self.sent = 0
+        self.done = False
+        self.started = False     # chat's role delta / completion's echo sent
+
+    def _entry(self, text: str | None, finish: str | None, lp: Any = None, role: bool = False) -> dict[str, Any]:
+        if self.p.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            return {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": self.index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Entries for what arrived since the last poll (the finish entry last)."""
+        p, ch, out = self.p, self.ch, []
+        if self.done:
+            return out
+        if not self.started:
+            if p.kind == "chat":
+                out.append(self._entry("", None, role=True))
+                self.started = True
+            elif not p.echo:
+                self.started = True
+            elif not self.want_lp or ch.tokens or ch.finish is not None:   # the prompt's logprobs first
+                out.append(self._entry(self.prompt_text, None, lp=prompt_part(self.prompt, ch, self.cl)))
+                self.started = True
+            else:
+                return out
+        new = ch.tokens[self.sent:]
+        lps = ch.logprobs[self.sent:self.sent + len(new)] if self.want_lp and ch.logprobs is not None else None
+        self.sent += len(new)
+        if new and not p.drop_output:
+            text = feed(p, self.dec, self.stopper, text_tokens(p, ch, new, self.sent), self.sent - len(new))
+            lp = None
+            if self.want_lp:
+                lp = chat_logprobs(new, lps, p.logprobs) if p.kind == "chat" else self.cl.part(new, lps)
+            if text or lp is not None:
+                out.append(self._entry(text, None, lp=lp))
+        if ch.finish is not None and self.sent >= len(ch.tokens) and ch.finish not in ("error", "abort"):
+            tail = self.stopper.feed(self.dec.flush()) + self.stopper.finish()
+            if tail:
+                out.append(self._entry(tail, None))
+            out.append(self._entry(None if p.kind == "chat" else "", "stop" if self.stopper.stopped else ch.finish))
+            self.done = True
+        return out

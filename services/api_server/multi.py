@@ -1,0 +1,234 @@
+"""One response from several engine requests: ``n`` > 1, ``best_of`` and batched prompts.
+
+Choice ``index`` is ``prompt_number * n + j`` (vLLM's). Each choice is its own engine
+request (id ``<response id>-<prompt>-<j>``), so the choices of one response spread over
+ranks like any other requests; a ``seed`` gives choice j the seed ``seed + j`` (the
+sampler's draws depend on (seed, position), so equal seeds would give equal choices).
+``best_of`` candidates are ranked by their cumulative logprob (the sampler's, asked for
+internally when the client did not ask), the n best returned. ``usage`` sums the prompt
+tokens of each prompt once and the completion tokens of the returned choices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from copy import copy
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import orjson
+from starlette.responses import Response, StreamingResponse
+
+from services.api_server.choice import StreamChoice, final
+from services.api_server.errors import ApiError
+from services.api_server.gateway import Gateway, RequestChannel
+from services.api_server.protocol import ParsedRequest
+from shared.messages import Request
+
+
+@dataclass(slots=True)
+class Sub:
+    rid: str
+    prompt_no: int
+    j: int                     # candidate number within its prompt
+    prompt: list[int]
+    text: str
+    ch: RequestChannel | None = None
+
+
+def plan(p: ParsedRequest, rid: str) -> list[Sub]:
+    """The engine requests that answer ``p`` (pure)."""
+    prompts = p.prompts or [(p.prompt, p.prompt_text)]
+    return [Sub(f"{rid}-{i}-{j}", i, j, toks, text) for i, (toks, text) in enumerate(prompts)
+            for j in range(p.best_of)]
+
+
+def sub_params(p: ParsedRequest, j: int):
+    params = copy(p.params)
+    if params.seed is not None:
+        params.seed = params.seed + j
+    return params
+
+
+def score(ch: RequestChannel) -> float:
+    """A best_of candidate's cumulative logprob (a token without one counts 0)."""
+    return sum(e[0] for e in (ch.logprobs or ()) if e is not None)
+
+
+def pick(p: ParsedRequest, subs: list[Sub]) -> list[tuple[int, Sub]]:
+    """(choice index, sub) of the returned choices: per prompt, the n best candidates."""
+    out: list[tuple[int, Sub]] = []
+    by_prompt: dict[int, list[Sub]] = {}
+    for s in subs:
+        by_prompt.setdefault(s.prompt_no, []).append(s)
+    for i, cands in sorted(by_prompt.items()):
+        if p.best_of > p.n:
+            cands = sorted(cands, key=lambda s: -score(s.ch))[:p.n]   # stable: ties keep candidate order
+        out += [(i * p.n + k, s) for k, s in enumerate(cands)]
+    return out
+
+
+def usage(p: ParsedRequest, chosen: list[tuple[int, Sub]], subs: list[Sub]) -> dict[str, int]:
+    pt = sum({s.prompt_no: s.ch.prompt_tokens or len(s.prompt) for s in subs}.values())
+    ct = 0 if p.drop_output else sum(len(s.ch.tokens) for _, s in chosen)
+    return {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
+
+
+def _visible(p: ParsedRequest) -> ParsedRequest:
+    """``p`` as its choices are shown: logprobs asked only to rank candidates are hidden."""
+    if not p.best_of_lp:
+        return p
+    q = copy(p)
+    q.logprobs = None
+    return q
+
+
+async def run_multi(request: Any, p: ParsedRequest, gw: Gateway, rid: str, api_id: str, settings: Any,
+                    metrics: Any) -> Response:
+    subs = plan(p, rid)
+    if len(gw.channels) + len(subs) > settings.max_inflight:
+        metrics.rejected.inc()
+        raise ApiError(429, f"server busy: this request needs {len(subs)} of {settings.max_inflight} in-flight "
+                       "slots on this replica; retry after the Retry-After delay", code="overloaded",
+                       headers={"Retry-After": "1"})
+    now = time.time()
+    for s in subs:
+        req = Request(id=s.rid, api=api_id, prompt=s.prompt, params=sub_params(p, s.j), arrival=now, rank=p.rank)
+        metrics.prompt_tokens.inc(len(s.prompt))
+        s.ch = gw.submit(req)
+    await asyncio.sleep(0)   # the gateway puts them on the wire first
+    created = int(now)
+    if p.stream:
+        return StreamingResponse(_sse(request, p, subs, gw, rid, created, settings, metrics),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _complete(request, p, subs, gw, rid, created, settings, metrics)
+
+
+def _end(gw: Gateway, subs: list[Sub], reason: str | None) -> None:
+    """Release every sub; abort those still running when the response ends early."""
+    for s in subs:
+        if reason is not None and s.ch.finish is None:
+            gw.abort(s.rid, reason)
+        else:
+            gw.release(s.rid)
+
+
+async def _wait(event: asyncio.Event, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    async with asyncio.timeout(left):
+        await event.wait()
+    event.clear()
+
+
+async def _client_gone(request: Any) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _complete(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway, rid: str, created: int,
+                    settings: Any, metrics: Any) -> Response:
+    t0 = time.monotonic()
+    deadline = t0 + settings.request_timeout_s
+    metrics.inflight.inc()
+    disconnected = asyncio.ensure_future(_client_gone(request))
+    reason: str | None = None
+    try:
+        for s in subs:
+            while s.ch.finish is None:
+                waiter = asyncio.ensure_future(_wait(s.ch.event, deadline))
+                done, _ = await asyncio.wait({waiter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                if disconnected in done:
+                    waiter.cancel()
+                    metrics.aborts.labels("client_disconnected").inc()
+                    reason = "client_disconnected"
+                    return Response(status_code=499)
+                try:
+                    waiter.result()
+                except TimeoutError:
+                    metrics.aborts.labels("timeout").inc()
+                    reason = "timeout"
+                    raise ApiError(504, f"no completion within {settings.request_timeout_s:g}s; retry later") from None
+    finally:
+        disconnected.cancel()
+        metrics.inflight.dec()
+        _end(gw, subs, reason)
+    bad = next((s for s in subs if s.ch.finish in ("error", "abort")), None)
+    if bad is not None:
+        raise ApiError(503, f"the request could not be completed: {bad.ch.error or bad.ch.finish}; retry it",
+                       code="engine_error")
+    chosen = pick(p, subs)
+    shown = _visible(p)
+    for s in subs:
+        if s.ch.first_t:
+            metrics.ttft.observe(s.ch.first_t - t0)
+        metrics.completion_tokens.inc(len(s.ch.tokens))
+    metrics.e2e.observe(time.monotonic() - t0)
+    choices = [final(shown, s.ch, idx, s.prompt, s.text) for idx, s in chosen]
+    body: dict[str, Any] = {"id": rid, "object": "chat.completion" if p.kind == "chat" else "text_completion",
+                            "created": created, "model": p.model, "choices": choices,
+                            "usage": usage(p, chosen, subs)}
+    if p.kind == "chat":
+        body["system_fingerprint"] = None
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+async def _sse(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway, rid: str, created: int,
+               settings: Any, metrics: Any) -> AsyncIterator[bytes]:
+    """Streamed: best_of == n here (the parser refuses more), every sub is a choice."""
+    obj = "chat.completion.chunk" if p.kind == "chat" else "text_completion"
+    extra = {"usage": None} if p.include_usage else {}
+    event = asyncio.Event()             # one wake-up for all the choices' channels
+    for s in subs:
+        s.ch.event = event
+    streams = [StreamChoice(p, s.ch, idx, s.prompt, s.text) for idx, s in pick(p, subs)]
+    t0 = time.monotonic()
+    deadline = t0 + settings.request_timeout_s
+    reason: str | None = "client_disconnected"
+    metrics.inflight.inc()
+
+    def chunk(entries: list[dict[str, Any]]) -> bytes:
+        return b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": p.model,
+                                         "choices": entries, **extra}) + b"\n\n"
+    try:
+        while True:
+            for st in streams:
+                entries = st.poll()
+                for e in entries:        # one choice per chunk, as vLLM streams them
+                    yield chunk([e])
+            broken = next((s for s in subs if s.ch.finish in ("error", "abort")), None)
+            if broken is not None:
+                reason = "engine_error"
+                yield b"data: " + orjson.dumps(ApiError(503, "the request could not be completed: "
+                                                        f"{broken.ch.error or broken.ch.finish}").body()) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
+            if all(st.done for st in streams):
+                reason = None
+                if p.include_usage:
+                    yield b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": p.model,
+                                                    "choices": [], "usage": usage(p, pick(p, subs), subs)}) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                for s in subs:
+                    metrics.completion_tokens.inc(len(s.ch.tokens))
+                metrics.e2e.observe(time.monotonic() - t0)
+                return
+            try:
+                await _wait(event, deadline)
+            except TimeoutError:
+                metrics.aborts.labels("timeout").inc()
+                reason = "timeout"
+                yield b"data: " + orjson.dumps(ApiError(504, f"no completion within "
+                                                        f"{settings.request_timeout_s:g}s").body()) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                return
+    finally:
+        metrics.inflight.dec()
+        if reason == "client_disconnected":
+            metrics.aborts.labels("client_disconnected").inc()
+        _end(gw, subs, reason)
