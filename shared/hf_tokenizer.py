@@ -100,6 +100,9 @@ class HFTokenizer:
     def token_str(self, t: int) -> str:
         return self._tok.id_to_token(t) or ""
 
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
     def is_special(self, t: int) -> bool:
         return t in self._special_ids
 

@@ -86,3 +86,27 @@ def test_a_stop_string_ends_the_text_where_it_starts(served):
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == full[:full.index(stop)]
     assert r.usage.completion_tokens < MAX_NEW        # the engine stopped there, it did not run on
+
+
+def test_tokenize_detokenize_and_tokenizer_info_use_the_checkpoints_tokenizer(served):
+    import httpx
+
+    client, name, ref, hf_tok = served
+    base = str(client.base_url).removesuffix("/v1/").removesuffix("/v1")
+    text = "Straße, café 東京 😀"
+    r = httpx.post(f"{base}/tokenize", json={"model": name, "prompt": text, "return_token_strs": True}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == hf_tok(text)["input_ids"]
+    assert body["token_strs"] == hf_tok.convert_ids_to_tokens(body["tokens"])
+    msgs = CHATS[1]
+    r = httpx.post(f"{base}/tokenize", json={"model": name, "messages": msgs}, timeout=30).json()
+    want = hf_tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    assert r["tokens"] == list(want["input_ids"] if hasattr(want, "keys") else want)
+    big = hf_tok.convert_tokens_to_ids("<|im_end|>") + 300      # past the byte model's 260 ids
+    r = httpx.post(f"{base}/detokenize", json={"model": name, "tokens": body["tokens"] + [big % len(hf_tok)]},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["prompt"].startswith(text)
+    info = httpx.get(f"{base}/tokenizer_info", timeout=30).json()
+    assert info["vocab_size"] == len(hf_tok) and info["eos_token"] == "<|im_end|>"
+    assert info["chat_template"] == hf_tok.chat_template

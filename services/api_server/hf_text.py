@@ -47,3 +47,14 @@ def checkpoint_stops(params: SamplingParams, tok: Any) -> None:
     if not params.ignore_eos:
         params.stop_token_ids = sorted(set(params.stop_token_ids) | set(tok.eos_token_ids))
     params.ignore_eos = True
+
+
+def tokenizer_info(tok: Any, max_model_len: int) -> dict[str, Any]:
+    """vLLM's /tokenizer_info for a checkpoint's tokenizer."""
+    sp = tok.special_tokens
+    ids = {k: (tok.token_id(v) if v else None) for k, v in sp.items()}
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "vocab_size": tok.vocab_size,
+            "model_max_length": max_model_len, "eos_token": sp["eos_token"],
+            "eos_token_id": tok.eos_token_ids[0] if tok.eos_token_ids else ids["eos_token"],
+            "bos_token": sp["bos_token"], "bos_token_id": ids["bos_token"], "pad_token": sp["pad_token"],
+            "unk_token": sp["unk_token"], "chat_template": tok.chat_template}

@@ -497,7 +497,7 @@ def _check_model(body: dict, served_model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def parse_tokenize(body: Any, served_model: str) -> tuple[list[int], bool]:
+def parse_tokenize(body: Any, served_model: str, tok: Any = None) -> tuple[list[int], bool]:
     """(tokens, return_token_strs) for a /tokenize body."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -510,18 +510,21 @@ def parse_tokenize(body: Any, served_model: str) -> tuple[list[int], bool]:
     if has_prompt:
         if not isinstance(body["prompt"], str):
             raise ApiError(400, "'prompt' must be a string", param="prompt")
-        return encode(body["prompt"]), strs
+        return (encode(body["prompt"]) if tok is None else tok.encode(body["prompt"])), strs
+    if tok is not None:
+        return hf_text.chat_prompt(tok, _messages(body), _bool(body, "add_generation_prompt", True))[1], strs
     text = chat_template(_messages(body), _bool(body, "add_generation_prompt", True))
     return encode(text), strs
 
 
-def parse_detokenize(body: Any, served_model: str) -> list[int]:
+def parse_detokenize(body: Any, served_model: str, tok: Any = None) -> list[int]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_model(body, served_model)
     toks = body.get("tokens")
     if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
         raise ApiError(400, "'tokens' must be a list of token ids", param="tokens")
-    if any(t < 0 or t >= VOCAB_SIZE for t in toks):
-        raise ApiError(400, f"token ids must be within 0..{VOCAB_SIZE - 1}", param="tokens")
+    vocab = VOCAB_SIZE if tok is None else tok.vocab_size
+    if any(t < 0 or t >= vocab for t in toks):
+        raise ApiError(400, f"token ids must be within 0..{vocab - 1}", param="tokens")
     return toks
