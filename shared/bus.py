@@ -2,6 +2,9 @@
 
 Everything that crosses services goes through here. Connections use the hiredis parser
 when installed (redis-py picks it up by itself) and retry with backoff and jitter.
+``connect`` (``connect_sync`` for threads) is the one factory of clients: a plain
+``redis://`` server, a ``redis+cluster://`` Redis Cluster or a ``redis+sentinel://``
+group (shared/redis_url.py), the same calls for all three.
 """
 
 from __future__ import annotations
@@ -10,17 +13,27 @@ import asyncio
 import random
 import signal
 from typing import Any, Awaitable, Callable, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+from redis.exceptions import ClusterDownError, ReadOnlyError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
 
+from shared import redis_url
 from shared.messages import FIELD, loads
 
 T = TypeVar("T")
 
-TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+def is_transient(exc: BaseException) -> bool:
+    """A Redis error that goes away by itself: connection trouble, or a failover in progress
+    (a blocked read ends with UNBLOCKED when its server becomes a replica)."""
+    return isinstance(exc, TRANSIENT) or (isinstance(exc, ResponseError) and str(exc).startswith("UNBLOCKED"))
+
+# Connection trouble, and what a failover looks like from a client: a cluster slot with no
+# primary for a moment (CLUSTERDOWN, TRYAGAIN, uncovered slot), a demoted primary (READONLY).
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError,
+             ClusterDownError, TryAgainError, SlotNotCoveredError, ReadOnlyError)
 
 
 class RedisUnreachable(RuntimeError):
@@ -31,24 +44,67 @@ def redact_url(url: str) -> str:
     """The URL without its password, for logs and status output."""
     if not url:
         return url
-    parts = urlsplit(url)
-    if parts.password:
-        user = parts.username or ""
-        netloc = f"{user}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-        return urlunsplit(parts._replace(netloc=netloc))
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    if sep and at and ":" in userinfo:
+        return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{hostpart}"
     return url
 
 
-def connect(url: str, *, timeout_s: float | None = None) -> aioredis.Redis:
-    """A pooled asyncio client. ``timeout_s`` bounds socket reads (None: block reads need it open)."""
-    return aioredis.Redis.from_url(
-        url, decode_responses=False, socket_connect_timeout=5.0, socket_timeout=timeout_s,
-        health_check_interval=0, max_connections=256, socket_keepalive=True)
+def connect(url: str, *, timeout_s: float | None = None, connect_timeout_s: float = 5.0,
+            max_connections: int = 256) -> Any:
+    """A pooled asyncio client for the deployment ``url`` names (module docstring).
+    ``timeout_s`` bounds socket reads (None: block reads need it open)."""
+    target = redis_url.parse(url)
+    common = dict(decode_responses=False, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s,
+                  socket_keepalive=True, health_check_interval=0)
+    if target.kind == redis_url.SINGLE:
+        return aioredis.Redis.from_url(url, max_connections=max_connections, **common)
+    if target.kind == redis_url.CLUSTER:
+        from redis.asyncio.cluster import ClusterNode
+
+        from shared.cluster_client import AsyncCluster
+        return AsyncCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], ssl=target.tls,
+                            username=target.username, password=target.password,
+                            max_connections=max_connections, **common)
+    from redis.asyncio.sentinel import Sentinel
+    sentinel = Sentinel(list(target.nodes), sentinel_kwargs={"socket_connect_timeout": connect_timeout_s,
+                                                             "socket_timeout": connect_timeout_s})
+    return sentinel.master_for(target.service, db=target.db, username=target.username, password=target.password,
+                               ssl=target.tls, max_connections=max_connections, **common)
+
+
+def connect_sync(url: str, *, timeout_s: float | None = None, connect_timeout_s: float = 5.0) -> Any:
+    """``connect`` for a thread without an event loop (the engines' liveness beat)."""
+    import redis
+
+    target = redis_url.parse(url)
+    common = dict(socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s)
+    if target.kind == redis_url.SINGLE:
+        return redis.Redis.from_url(url, **common)
+    if target.kind == redis_url.CLUSTER:
+        from redis.cluster import ClusterNode
+
+        from shared.cluster_client import SyncCluster
+        return SyncCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], ssl=target.tls,
+                            username=target.username, password=target.password, **common)
+    from redis.sentinel import Sentinel
+    sentinel = Sentinel(list(target.nodes), sentinel_kwargs={"socket_connect_timeout": connect_timeout_s,
+                                                             "socket_timeout": connect_timeout_s})
+    return sentinel.master_for(target.service, db=target.db, username=target.username, password=target.password,
+                               ssl=target.tls, **common)
+
+
+def is_cluster(r: Any) -> bool:
+    return hasattr(r, "get_nodes")   # RedisCluster (asyncio or not); Redis has no nodes
 
 
 async def check_reachable(url: str, timeout_s: float = 3.0) -> None:
     """Raise RedisUnreachable with a one-line message naming the (redacted) URL."""
-    client = aioredis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        client = connect(url, timeout_s=timeout_s, connect_timeout_s=timeout_s)
+    except redis_url.BadRedisUrl as exc:
+        raise RedisUnreachable(f"bad Redis URL {redact_url(url)}: {exc}") from None
     try:
         await asyncio.wait_for(client.ping(), timeout_s)
     except Exception as exc:  # noqa: BLE001 - any failure means the same to the user
@@ -139,7 +195,7 @@ async def retrying(op: Callable[[], Awaitable[T]], *, log: Any = None, what: str
                 log.info("redis_reconnected", what=what, attempts=backoff.attempt)
             return result
         except (ResponseError, *TRANSIENT) as exc:
-            if isinstance(exc, ResponseError) and "NOGROUP" not in str(exc):
+            if isinstance(exc, ResponseError) and not is_transient(exc) and "NOGROUP" not in str(exc):
                 raise
             if stop is not None and stop.is_set():
                 raise
@@ -191,8 +247,81 @@ async def execute_recorded(r: aioredis.Redis, rec: Recorder, *, log: Any = None,
     return await retrying(once, log=log, what=what, on_retry=on_retry, give_up_s=give_up_s)
 
 
-async def server_run_id(r: aioredis.Redis) -> str:
-    """Changes when the Redis server restarts (a restarted server without persistence has
-    lost every stream: readers use this to fail in-flight work with a clear error)."""
-    info = await r.info("server")
-    return str(info.get("run_id", ""))
+async def server_run_id(r: Any) -> tuple[tuple[str, str], ...]:
+    """The identity of the data set: each primary's replication ids (its own, and the one
+    it took over from at a failover). Compare two with ``same_data``: a restarted server
+    without persistence has lost every stream (readers fail in-flight work with a clear
+    error), a replica that took over after a failover has them all."""
+    if is_cluster(r):
+        infos = await r.info("replication", target_nodes=r.PRIMARIES)
+        docs = list(infos.values()) if isinstance(infos, dict) and "role" not in infos else [infos]
+    else:
+        docs = [await r.info("replication")]
+    return tuple(sorted((str(d.get("master_replid", "")), str(d.get("master_replid2", ""))) for d in docs))
+
+
+def same_data(before: tuple[tuple[str, str], ...], now: tuple[tuple[str, str], ...]) -> bool:
+    """Whether every primary ``now`` carries the data of one ``before``: the same replication
+    id, or (promoted at a failover) the previous id it continues."""
+    known = {replid for replid, _ in before}
+    return all(replid in known or (previous in known and previous.strip("0")) for replid, previous in now)
+
+
+def atomic(r: Any, slot_key: str) -> Any:
+    """A pipeline whose commands on ``slot_key``'s hash slot run as one MULTI/EXEC.
+
+    On one server (or a Sentinel group) it is a plain MULTI/EXEC of every command. Redis
+    Cluster refuses a transaction across slots, so there the commands on other slots (the
+    request records, the api-servers' output streams) go first, pipelined to their nodes,
+    and the transaction only after they succeeded: what they record is durable before the
+    transaction acks the work (the key schema puts what must be atomic in one slot:
+    shared/keys.py). Results come back in the order the commands were queued."""
+    if not is_cluster(r):
+        return r.pipeline(transaction=True)
+    return SlotTransaction(r, slot_key)
+
+
+def command_key(name: str, args: tuple, kwargs: dict) -> Any:
+    """The key a queued command works on (EVAL's first key, else the first argument)."""
+    if name in ("eval", "evalsha"):
+        return args[2] if len(args) > 2 and int(args[1]) > 0 else None
+    return args[0] if args else kwargs.get("name")
+
+
+class SlotTransaction:
+    """``atomic`` on Redis Cluster (see there): records the commands, then runs them."""
+
+    def __init__(self, r: Any, slot_key: str) -> None:
+        self.r, self.slot = r, r.keyslot(slot_key)
+        self.ops: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name: str) -> Callable[..., "SlotTransaction"]:
+        def record(*args: Any, **kwargs: Any) -> "SlotTransaction":
+            self.ops.append((name, args, kwargs))
+            return self
+        return record
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        inside = [self.r.keyslot(k) == self.slot if (k := command_key(*op)) is not None else True
+                  for op in self.ops]
+        results: list[Any] = [None] * len(self.ops)
+        for in_slot, transaction in ((False, False), (True, True)):
+            picked = [i for i, flag in enumerate(inside) if flag is in_slot]
+            if not picked:
+                continue
+            pipe = self.r.pipeline(transaction=transaction)
+            for i in picked:
+                name, args, kwargs = self.ops[i]
+                getattr(pipe, name)(*args, **kwargs)
+            for i, res in zip(picked, await pipe.execute(raise_on_error=raise_on_error)):
+                results[i] = res
+        return results
+
+    async def __aenter__(self) -> "SlotTransaction":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.ops.clear()

@@ -3,6 +3,14 @@
 Keys are prefixed with a namespace (``ls`` by default) so several clusters can share one
 Redis. docs/redis-keys.md documents each key (type, writer, reader, TTL); a test checks
 that every key built here appears there.
+
+Redis Cluster: the keys that meet in one atomic operation carry the hash tag ``{<ns>}``
+(the dispatch slot): the request stream, the rank inboxes, the wake stream and the pause
+marker. The scheduler acks a request in the same MULTI/EXEC that writes it to an inbox,
+the wake script reads ``paused`` and writes ``wave`` in that transaction, and a paused
+rank reads its inbox and ``wave`` in one XREAD: Cluster refuses each of these across
+slots. Every other key has no tag, so the busy independent streams (``out``, ``stats``,
+``steps``) and the per-request and per-rank keys spread over the cluster.
 """
 
 from __future__ import annotations
@@ -29,15 +37,25 @@ class Keys:
 
     ns: str = "ls"
 
+    def __post_init__(self) -> None:
+        # A brace in the namespace would move the hash tag (Cluster hashes the first {...}).
+        if "{" in self.ns or "}" in self.ns:
+            raise ValueError(f"namespace {self.ns!r}: braces are not allowed in a namespace")
+
+    @property
+    def dispatch_tag(self) -> str:
+        """The hash tag of the dispatch slot (module docstring)."""
+        return "{" + self.ns + "}"
+
     # --- request path -------------------------------------------------------------
     @property
     def requests(self) -> str:
         """Stream: new requests and aborts from api-servers (group ``scheduler``)."""
-        return f"{self.ns}:requests"
+        return f"{self.dispatch_tag}:requests"
 
     def inbox(self, rank: int) -> str:
         """Stream: work for one DP rank (group ``engine``)."""
-        return f"{self.ns}:rank:{rank}:inbox"
+        return f"{self.dispatch_tag}:rank:{rank}:inbox"
 
     def out(self, api_id: str) -> str:
         """Stream: token deltas for the requests of one api-server."""
@@ -104,13 +122,13 @@ class Keys:
     def wave(self) -> str:
         """Stream: wake-up notices that start wave W after all ranks paused (from the
         dispatcher that ended the pause, or else the rank that found the work)."""
-        return f"{self.ns}:wave"
+        return f"{self.dispatch_tag}:wave"
 
     @property
     def paused(self) -> str:
         """String: the wave a paused engine group starts at its next wake (rank 0 sets it
         as the group pauses; the dispatch or notice that ends the pause deletes it)."""
-        return f"{self.ns}:paused"
+        return f"{self.dispatch_tag}:paused"
 
     @property
     def leader(self) -> str:

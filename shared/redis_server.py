@@ -53,6 +53,8 @@ class EmbeddedRedis:
     port: int = 0
     persist_dir: str | None = None        # keep an RDB snapshot here; None = nothing on disk
     binary: str = ""
+    extra_args: tuple[str, ...] = ()      # more server options (cluster or sentinel mode, for the tests)
+    config_file: str | None = None        # read first (a sentinel needs one it can rewrite)
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
 
@@ -71,9 +73,9 @@ class EmbeddedRedis:
             self._tmp = tempfile.TemporaryDirectory(prefix="lockstep-redis-")
             workdir = self._tmp.name
             persistence = ["--save", "", "--appendonly", "no"]
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+        args = [self.binary, *([self.config_file] if self.config_file else []), "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", workdir, "--daemonize", "no", "--loglevel", "warning",
-                "--maxclients", "10000", "--protected-mode", "yes", *persistence]
+                "--maxclients", "10000", "--protected-mode", "yes", *persistence, *self.extra_args]
         # New session: a Ctrl-C in the terminal reaches `lockstep up`, which stops the server
         # last, after every service has flushed.
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -15,14 +15,14 @@ DOCS = ROOT / "docs"
 
 def test_redis_keys_doc_mentions_every_key_pattern():
     text = (DOCS / "redis-keys.md").read_text()
-    documented = set(re.findall(r"`(ls:[^`\s]+)`", text))
+    documented = set(re.findall(r"`((?:\{ls\}|ls):[^`\s]+)`", text))
     missing = [p for p in Keys("ls").all_patterns() if p not in documented]
     assert not missing, f"docs/redis-keys.md does not document {missing}"
 
 
 def test_redis_keys_doc_has_no_stale_keys():
     text = (DOCS / "redis-keys.md").read_text()
-    rows = set(re.findall(r"^\| `(ls:[^`\s]+)`", text, flags=re.M))
+    rows = set(re.findall(r"^\| `((?:\{ls\}|ls):[^`\s]+)`", text, flags=re.M))
     stale = rows - set(Keys("ls").all_patterns())
     assert not stale, f"docs/redis-keys.md documents keys shared/keys.py no longer builds: {stale}"
 

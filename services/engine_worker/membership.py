@@ -24,7 +24,7 @@ from typing import Any, Callable
 from services.engine_worker.lockstep import GroupBroken, LockstepGroup
 from shared import keys as K
 from shared import lease
-from shared.bus import ensure_group
+from shared.bus import connect_sync, ensure_group
 from shared.messages import FIELD, dumps
 from shared.redis_server import free_port
 
@@ -155,8 +155,8 @@ class GroupMembership:
         ttl = self.s.heartbeat_ms * 3
         alive_key, info_key = self.keys.rank_alive(self.rank), self.keys.rank_info(self.rank)
         identity = {"pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend, "token": self.token}
-        client = redis.Redis.from_url(self.s.redis_url, socket_timeout=max(0.5, self.s.heartbeat_ms / 1000),
-                                      socket_connect_timeout=max(0.5, self.s.heartbeat_ms / 1000))
+        client = connect_sync(self.s.redis_url, timeout_s=max(0.5, self.s.heartbeat_ms / 1000),
+                              connect_timeout_s=max(0.5, self.s.heartbeat_ms / 1000))
         log = self.log
 
         def beat() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from shared import keys as K
-from shared.bus import decode_entries, entry_id_key
+from shared.bus import atomic, decode_entries, entry_id_key
 from shared.messages import FIELD, dumps
 
 RECOVERY_CONSUMER = "recovery"
@@ -89,7 +89,7 @@ async def _notify_and_ack(r: Redis, keys: K.Keys, inbox: str, entries: list[Any]
                           by_api: dict[str, list[str]], ack: list[Any] | None = None) -> None:
     page: dict[str, list[str]] = {}
     _collect(entries, page)
-    pipe = r.pipeline(transaction=True)
+    pipe = atomic(r, inbox)   # on Redis Cluster: the notices first, then the ack (shared/bus.py)
     for api, ids in page.items():
         pipe.xadd(keys.out(api), {FIELD: dumps({"k": "resume", "ids": ids})},
                   maxlen=K.OUT_STREAM_MAXLEN, approximate=True)

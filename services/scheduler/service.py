@@ -21,7 +21,7 @@ from typing import Any
 from shared import keys as K
 from shared import lease
 from services.scheduler.housekeeping import recover_orphans, trim_acked
-from shared.bus import decode_entries, ensure_group, open_service_connection, retrying
+from shared.bus import atomic, decode_entries, ensure_group, open_service_connection, retrying
 from shared.logging import configure
 from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
 from shared.policy.aggregator import StepAggregator
@@ -234,7 +234,7 @@ class SchedulerService:
         now = time.time()
         # A transaction: the ranks' blocked reads see the inbox writes and the wake-up
         # notice together (shared/wake.py).
-        pipe = self.r.pipeline(transaction=True)
+        pipe = atomic(self.r, self.keys.requests)   # one slot on Redis Cluster (shared/keys.py)
         acks: list[bytes] = []
         for i, (_, eid, doc) in enumerate(entries):
             kind = doc.get("k")
@@ -370,7 +370,7 @@ class SchedulerService:
         released = self.policy.poll(time.time())
         if released:
             now = time.time()
-            pipe = self.r.pipeline(transaction=True)   # with the wake-up (shared/wake.py)
+            pipe = atomic(self.r, self.keys.requests)   # with the wake-up (shared/wake.py)
             acks = [e for e in (self._release(pipe, a, now) for a in released) if e is not None]
             self._record_batches(pipe, released)
             if acks:
