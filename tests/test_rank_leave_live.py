@@ -115,3 +115,57 @@ def test_rank_leaves_alone_while_others_serve(tmp_path: Path, victim: int, drain
     finally:
         r.close()
         assert cluster.stop() == 0
+
+
+def test_rank_leaves_alone_torch_backend_text_exact(tmp_path: Path):
+    """Torch backend, no spare: SIGTERM rank 1 mid-stream; its requests resume on rank 0
+    and every greedy stream's text equals the same request's fault-free run (no token
+    missing or repeated at the seam); `up` starts the process again for its own slot."""
+    ns = f"leavetorch{os.getpid()}"
+    cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "torch", "--spares", "0",
+                            namespace=ns)
+    r, k = redis.Redis.from_url(cluster.redis_url), Keys(ns)
+    n, tokens = 6, 40
+    try:
+        async def one(client: openai.AsyncOpenAI, i: int, started: asyncio.Event | None = None) -> tuple[str, int]:
+            text, usage = [], 0
+            stream = await client.completions.create(
+                model=MODEL, prompt=f"torch leave {i}", max_tokens=tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "data_parallel_rank": i % 2})
+            async for c in stream:
+                if c.choices and c.choices[0].text:
+                    text.append(c.choices[0].text)
+                    if started is not None and i % 2 == 1:
+                        started.set()
+                if c.usage:
+                    usage = c.usage.completion_tokens
+            return "".join(text), usage
+
+        async def run(leave: bool) -> list[tuple[str, int]]:
+            client = openai.AsyncOpenAI(base_url=cluster.api_url, api_key="x", max_retries=0, timeout=240)
+            started = asyncio.Event()
+
+            async def leaver() -> None:
+                await asyncio.wait_for(started.wait(), 120)
+                os.kill(int(r.hget(k.rank_info(1), "pid")), signal.SIGTERM)
+            try:
+                jobs = [one(client, i, started) for i in range(n)]
+                res = await asyncio.gather(*jobs, *([leaver()] if leave else []))
+                return res[:n]
+            finally:
+                await client.close()
+
+        baseline = asyncio.run(asyncio.wait_for(run(False), 240))
+        pids = {i: int(r.hget(k.rank_info(i), "pid")) for i in range(2)}
+        faulty = asyncio.run(asyncio.wait_for(run(True), 240))
+        assert [u for _, u in faulty] == [tokens] * n
+        assert faulty == baseline
+        poll_until(lambda: int(r.hget(k.rank_info(1), "pid") or 0) not in (0, pids[1])
+                   and r.hexists(k.rank_info(1), "ready"), 120, "rank 1's process started again and joined")
+        assert int(r.hget(k.rank_info(0), "pid")) == pids[0]
+        assert "engine-1 left the group (planned); restarted it" in (tmp_path / "up.out").read_text()
+        handed = re.findall(r'"handed_over": (\d+)', (Path(cluster.state_dir) / ns / "logs" / "engine-1.log").read_text())
+        assert handed and int(handed[-1]) > 0, "the leaving rank handed its streams over"
+    finally:
+        r.close()
+        assert cluster.stop() == 0
