@@ -129,17 +129,32 @@ class SchedulerService:
 
     # ------------------------------------------------------------------ leadership
     async def _become_leader(self) -> bool:
+        """Campaign until the lease is ours (True) or we stop (False). Redis going away
+        meanwhile is waited out with backoff like everywhere else: a standby that exited
+        on it (as one did at every Redis restart of the chaos run) is no standby."""
         while not self.stop.is_set():
-            if await self.r.set(self.keys.leader, self.id, nx=True, px=self.s.lease_ms):
-                self.dispatcher_id = f"scheduler.{await self.r.incr(self.keys.incarnation)}"
-                self.policy = self._make_policy()   # nothing placed yet: a fresh view, under the new id
-                await self._announce()
-                return True
+            try:
+                if await retrying(self._campaign, log=self.log, what="leader_campaign", stop=self.stop):
+                    return True
+            except Exception:  # noqa: BLE001 - only raised once stopping (retrying gives up then)
+                if self.stop.is_set():
+                    return False
+                raise
             try:
                 await asyncio.wait_for(self.stop.wait(), self.s.lease_ms / 3000)
             except TimeoutError:
                 pass
         return False
+
+    async def _campaign(self) -> bool:
+        # Ours already: a previous try took the lease and lost the connection after it.
+        won = (await self.r.set(self.keys.leader, self.id, nx=True, px=self.s.lease_ms)
+               or await self.r.get(self.keys.leader) == self.id.encode())
+        if won:
+            self.dispatcher_id = f"scheduler.{await self.r.incr(self.keys.incarnation)}"
+            self.policy = self._make_policy()   # nothing placed yet: a fresh view, under the new id
+            await self._announce()
+        return bool(won)
 
     async def _announce(self) -> None:
         """Record who leads and the cluster settings this scheduler knows (again after a
