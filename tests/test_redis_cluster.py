@@ -67,11 +67,11 @@ def test_atomic_keys_share_a_slot_and_streams_spread(up, rcluster):
 
 
 def test_primary_failover_mid_run_loses_nothing(up, rcluster):
-    """48 streams run while the primary of the dispatch slot (request stream, inboxes,
+    """24 streams run while the primary of the dispatch slot (request stream, inboxes,
     wake-ups) hands over to its replica, then the primary of the stats stream does too:
     every stream completes with exactly its tokens."""
     keys = K.Keys(up.namespace)
-    n, tokens = 48, 160
+    n, tokens = 24, 120
     started = threading.Event()
     results: list = []
     worker = threading.Thread(target=lambda: results.extend(stream_many(up.api_url, n, tokens, "fo", started)))
