@@ -41,6 +41,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)     # finish ("stop") on any of these
     logprobs: int | None = None        # None: none; k: the sampled token's logprob + the top k
     prompt_logprobs: int | None = None  # the same for every prompt token but the first (echo)
+    guide: list[str] | None = None     # structured output: [kind, text] (shared/grammar.py)
 
     @property
     def penalized(self) -> bool:
@@ -71,6 +72,8 @@ class SamplingParams:
             d["lp"] = self.logprobs
         if self.prompt_logprobs is not None:
             d["pl"] = self.prompt_logprobs
+        if self.guide is not None:
+            d["gd"] = self.guide
         return d
 
     @classmethod
@@ -80,7 +83,7 @@ class SamplingParams:
                    presence_penalty=d.get("pp", 0.0), frequency_penalty=d.get("fp", 0.0),
                    repetition_penalty=d.get("rp", 1.0), logit_bias={int(t): b for t, b in d.get("lb", ())},
                    min_tokens=d.get("mn", 0), stop_token_ids=list(d.get("si", ())), logprobs=d.get("lp"),
-                   prompt_logprobs=d.get("pl"))
+                   prompt_logprobs=d.get("pl"), guide=d.get("gd"))
 
 
 @dataclass(slots=True)

@@ -30,13 +30,6 @@ MAX_CHOICES = 128          # engine requests one HTTP request may make: prompts 
 # its neutral value (the one that changes nothing); anything else is a 400 that names the
 # field (docs/api.md). name -> (neutral values, JSON schema of the neutral values).
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
-    "response_format": (({"type": "text"},), {"type": "object", "properties": {"type": {"type": "string",
-                                                                                       "enum": ["text"]}}}),
-    "guided_json": ((), {"type": "null"}),
-    "guided_regex": ((), {"type": "null"}),
-    "guided_choice": ((), {"type": "null"}),
-    "guided_grammar": ((), {"type": "null"}),
-    "structured_outputs": ((), {"type": "null"}),
     "bad_words": (([],), {"type": "array", "maxItems": 0}),
     "include_stop_str_in_output": ((False,), {"type": "boolean", "enum": [False]}),
     "skip_special_tokens": ((True,), {"type": "boolean", "enum": [True]}),
@@ -88,6 +81,19 @@ _COMMON: dict[str, Any] = {
                    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
                    "description": "token id (as a string) -> bias added to its logit"},
     "min_tokens": {"type": "integer", "minimum": 0, "description": "at most max_tokens"},
+    "response_format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "required": ["schema"], "properties": {
+            "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
+    "guided_json": {"anyOf": [{"type": "object"}, {"type": "string"}], "description": "a JSON schema"},
+    "guided_regex": {"type": "string"},
+    "guided_choice": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+    "guided_grammar": {"type": "string", "description": "a Lark or GBNF grammar"},
+    "structured_outputs": {"type": "object", "description": "exactly one of json, regex, choice, grammar, json_object",
+                           "properties": {"json": {"anyOf": [{"type": "object"}, {"type": "string"}]},
+                                          "regex": {"type": "string"},
+                                          "choice": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                                          "grammar": {"type": "string"}, "json_object": {"type": "boolean"}}},
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
     "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
                 "description": "candidates per prompt (>= n), the n with the highest cumulative logprob are returned"},
@@ -250,6 +256,71 @@ def _stop_token_ids(body: dict) -> list[int]:
     if any(not 0 <= t < VOCAB_SIZE for t in v):
         raise ApiError(400, f"'stop_token_ids' must be within 0..{VOCAB_SIZE - 1}", param="stop_token_ids")
     return sorted(set(v))
+
+
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def _guide_of(name: str, kind: str, v: Any) -> list[str]:
+    """[kind, text] of one structured-output field's value."""
+    if kind == "json":
+        if isinstance(v, dict):
+            return ["json", orjson.dumps(v).decode()]
+        if isinstance(v, str):
+            return ["json", v]
+        raise ApiError(400, f"'{name}' must be a JSON schema (an object)", param=name)
+    if kind == "choice":
+        if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
+            raise ApiError(400, f"'{name}' must be a non-empty list of non-empty strings", param=name)
+        return ["choice", orjson.dumps(v).decode()]
+    if not isinstance(v, str) or not v:
+        raise ApiError(400, f"'{name}' must be a non-empty string", param=name)
+    return [kind, v]
+
+
+def guide(body: dict) -> tuple[str, list[str]] | None:
+    """(the field that asked, [kind, text]) of the request's structured output, checked
+    by compiling it (shared/grammar.py); None without one. One field at most."""
+    from shared import grammar
+    found: list[tuple[str, list[str]]] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+            raise ApiError(400, "'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                           param="response_format")
+        if rf["type"] == "json_object":
+            found.append(("response_format", ["json", ANY_JSON_OBJECT]))
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema",
+                               param="response_format")
+            found.append(("response_format", _guide_of("response_format", "json", js["schema"])))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if body.get(name) is not None:
+            found.append((name, _guide_of(name, kind, body[name])))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise ApiError(400, "'structured_outputs' must be an object", param="structured_outputs")
+        asked = [(k, v) for k, v in so.items() if v is not None and v is not False]
+        if len(asked) != 1 or asked[0][0] not in ("json", "regex", "choice", "grammar", "json_object"):
+            raise ApiError(400, "'structured_outputs' takes exactly one of json, regex, choice, grammar, json_object",
+                           param="structured_outputs")
+        k, v = asked[0]
+        found.append(("structured_outputs", ["json", ANY_JSON_OBJECT] if k == "json_object"
+                      else _guide_of("structured_outputs", k, v)))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ApiError(400, f"'{found[1][0]}' and '{found[0][0]}' both ask for structured output; send one",
+                       param=found[1][0])
+    name, g = found[0]
+    why = grammar.check(*g)
+    if why is not None:
+        raise ApiError(400, f"'{name}' cannot be compiled: {why[:300]}", param=name)
+    return name, g
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -420,6 +491,16 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
     if params.min_tokens > params.max_tokens:
         raise ApiError(400, f"'min_tokens' ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})",
                        param="min_tokens")
+    g = guide(body)
+    if g is not None and tok is not None:
+        raise ApiError(400, f"'{g[0]}' is not supported yet when serving a checkpoint (its grammar is built for the "
+                       "byte-level model's tokens)", param=g[0], code="unsupported_parameter")
+    if g is not None:
+        # a finished grammar allows only EOS: both would make it unreachable
+        for name, on in (("ignore_eos", params.ignore_eos), ("min_tokens", params.min_tokens > 0)):
+            if on:
+                raise ApiError(400, f"'{name}' cannot be combined with structured output ('{g[0]}')", param=name)
+        params.guide = g[1]
     stream = _bool(body, "stream", False)
     n = _num(body, "n", int, 1, lo=1, hi=MAX_CHOICES)
     best_of = _num(body, "best_of", int, n, lo=1, hi=MAX_CHOICES)

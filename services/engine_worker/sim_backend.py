@@ -87,12 +87,17 @@ class SimBackend:
         self._streams: dict[str, SimTokenStream] = {}
 
     def run(self, chunks: list[ChunkInput], prompts: dict[str, list[int]],
-            eos_from: dict[str, float]) -> dict[str, int]:
+            eos_from: dict[str, float], masks: dict[str, bytes] | None = None) -> dict[str, int]:
         """``eos_from[id]``: the first position where EOS may end the request (its
-        min_tokens; inf with ignore_eos): before it the sim writes a space instead."""
+        min_tokens; inf with ignore_eos): before it the sim writes a space instead.
+        ``masks``: a guided request's allowed tokens (structured output): the sim draws one
+        of them by hash, as random weights would, so its output follows the grammar."""
         out: dict[str, int] = {}
         for c in chunks:
             if not c.sample:
+                continue
+            if masks and c.seq_id in masks:
+                out[c.seq_id] = _guided_pick(masks[c.seq_id], _mix(_prompt_key(prompts[c.seq_id]), c.context_len))
                 continue
             stream = self._streams.get(c.seq_id)
             if stream is None:
@@ -129,6 +134,11 @@ class SimBackend:
 
     def free_seq(self, seq_id: str) -> None:
         self._streams.pop(seq_id, None)
+
+
+def _guided_pick(mask: bytes, h: int) -> int:
+    allowed = [i * 8 + b for i, byte in enumerate(mask) if byte for b in range(8) if byte >> b & 1]
+    return allowed[h % len(allowed)] if allowed else EOS
 
 
 def eos_from(params) -> float:

@@ -39,6 +39,7 @@ from services.engine_worker.scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.sim_backend import eos_from
 from services.engine_worker.step_logprobs import StepLogprobs
+from services.engine_worker.guided import Guides
 from shared import trace
 
 
@@ -84,6 +85,7 @@ class EngineWorker(GroupMembership):
         self.prompts: dict[str, list[int]] = {}
         self.eos_from: dict[str, float] = {}     # sim: first position EOS may end a request
         self.lp = StepLogprobs()                  # logprobs of the requests that ask for them
+        self.guides = Guides()                    # grammar matchers of structured-output requests
         self._acks: list[bytes] = []              # inbox entries to ack in the next round trip
         self._aborted: list[Sequence] = []        # aborted seqs whose final delta is pending
         self._early: list[Any] = []               # outputs decided at admission (rejections)
@@ -249,14 +251,15 @@ class EngineWorker(GroupMembership):
         if self.s.backend == "torch":
             chunks = plan.chunks if action is Action.RUN else []
             want = self.lp.wants(chunks)
+            extras = self._sampling_extras(chunks, self.guides.masks(chunks, self.core.get))
             if want:
-                sampled, tok_lp, prompt_lp = await asyncio.to_thread(self.backend.run_logprobs, chunks,
-                                                                     self._sampling_extras(chunks), want)
+                sampled, tok_lp, prompt_lp = await asyncio.to_thread(self.backend.run_logprobs, chunks, extras, want)
                 self.lp.add(tok_lp, prompt_lp)
             else:
-                sampled = await asyncio.to_thread(self.backend.run, chunks, self._sampling_extras(chunks))
+                sampled = await asyncio.to_thread(self.backend.run, chunks, extras)
         else:
-            sampled = self.backend.run(plan.chunks, self.prompts, self.eos_from) if action is Action.RUN else {}
+            sampled = self.backend.run(plan.chunks, self.prompts, self.eos_from,
+                                       self.guides.masks(plan.chunks, self.core.get)) if action is Action.RUN else {}
             want = self.lp.wants(plan.chunks) if action is Action.RUN else None
             if want:
                 self.lp.add(*self.backend.logprobs(plan.chunks, sampled, self.prompts, want))
@@ -269,7 +272,7 @@ class EngineWorker(GroupMembership):
             self.idle_forwards += 1
         return sampled
 
-    def _sampling_extras(self, chunks: list[Any]) -> dict[str, Any] | None:
+    def _sampling_extras(self, chunks: list[Any], masks: dict[str, bytes] | None = None) -> dict[str, Any] | None:
         """top_k, min_p, penalties, logit_bias and min_tokens' masking of the sampled sequences
         that ask for them (torch only); None, the common case, when none does."""
         from services.engine_worker.model.sampler import RowExtra
@@ -283,12 +286,13 @@ class EngineWorker(GroupMembership):
                 continue
             p = seq.params
             early = len(seq.generated) < p.min_tokens
-            if p.top_k > 0 or p.min_p > 0 or p.penalized or p.logit_bias or early:
+            mask = masks.get(c.seq_id) if masks else None
+            if p.top_k > 0 or p.min_p > 0 or p.penalized or p.logit_bias or early or mask is not None:
                 # before min_tokens neither EOS (unless ignored) nor a stop token may be drawn
                 suppress = ([] if p.ignore_eos else [EOS]) + list(p.stop_token_ids) if early else []
                 out[c.seq_id] = RowExtra(p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
                                          p.repetition_penalty, list(seq.prompt) if p.penalized else [],
-                                         list(seq.generated) if p.penalized else [], p.logit_bias, suppress)
+                                         list(seq.generated) if p.penalized else [], p.logit_bias, suppress, mask)
         return out or None
 
     def _ingest(self) -> None:
@@ -309,6 +313,7 @@ class EngineWorker(GroupMembership):
                 self.prompts[req.id] = req.prompt
                 self.eos_from[req.id] = eos_from(req.params)
                 self.lp.track(req.id, req.params, req.prompt)
+                self.guides.track(req.id, req.params)
                 self.log.debug("request_admitted", request_id=req.id, wave=self.wave, step=self.step,
                                prompt_tokens=len(req.prompt), resumed_at=len(req.generated))
                 rejected = self.core.add(seq, time.time())
@@ -463,6 +468,7 @@ class EngineWorker(GroupMembership):
         self.rs.forget(seq_id)
         self.eos_from.pop(seq_id, None)
         self.lp.forget(seq_id)
+        self.guides.forget(seq_id)
         free = getattr(self.backend, "free_seq", None)
         if free is not None:
             free(seq_id)

@@ -9,8 +9,9 @@ RNG state; seed None draws from the process RNG (nondeterministic by design).
 The math runs in float64, row by row in effect, so a row's result cannot depend on others.
 
 Optional per-row ``RowExtra`` (vLLM's semantics), applied in this order:
-logit_bias added and ``suppress``ed tokens (EOS and stop tokens before min_tokens) set to
--inf, on every row; then penalties on the raw logits (greedy rows too): repetition_penalty over prompt + output
+logit_bias added, ``suppress``ed tokens (EOS and stop tokens before min_tokens) and tokens
+a grammar does not allow (``allowed``, structured output) set to -inf, on every row; then
+penalties on the raw logits (greedy rows too): repetition_penalty over prompt + output
 tokens (a positive logit is divided by it, a negative one multiplied), then
 frequency_penalty x count and presence_penalty x (count > 0) subtracted, counts over the
 output tokens; then, for sampled rows, after the temperature: top_k (keep the k most
@@ -56,6 +57,8 @@ class RowExtra:
     output: list[int] = field(default_factory=list)     # tokens generated so far
     logit_bias: dict[int, float] = field(default_factory=dict)
     suppress: list[int] = field(default_factory=list)   # never sampled this step (min_tokens)
+    allowed: bytes | None = None    # structured output: bit i of byte i // 8 set = token i allowed
+
 
     @property
     def penalized(self) -> bool:
@@ -63,7 +66,7 @@ class RowExtra:
 
     @property
     def edits_logits(self) -> bool:
-        return self.penalized or bool(self.logit_bias) or bool(self.suppress)
+        return self.penalized or bool(self.logit_bias) or bool(self.suppress) or self.allowed is not None
 
 
 def _bias(row: torch.Tensor, e: RowExtra) -> torch.Tensor:
@@ -76,7 +79,19 @@ def _bias(row: torch.Tensor, e: RowExtra) -> torch.Tensor:
     ids = [t for t in e.suppress if 0 <= t < V]
     if ids:
         row[torch.tensor(ids, device=row.device)] = float("-inf")
+    if e.allowed is not None:
+        row[~allowed_tokens(e.allowed, V).to(row.device)] = float("-inf")
     return row
+
+
+def allowed_tokens(mask: bytes, V: int) -> torch.Tensor:
+    """A grammar's bitmask (bit i of byte i // 8) as V booleans; ids past the mask are not allowed."""
+    b = torch.frombuffer(bytearray(mask), dtype=torch.uint8)
+    bits = ((b[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten().bool()
+    out = torch.zeros(V, dtype=torch.bool)
+    n = min(V, bits.numel())
+    out[:n] = bits[:n]
+    return out
 
 
 def _penalize(row: torch.Tensor, e: RowExtra) -> torch.Tensor:
