@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
+import uuid
 from typing import Any, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
@@ -247,24 +248,21 @@ async def execute_recorded(r: aioredis.Redis, rec: Recorder, *, log: Any = None,
     return await retrying(once, log=log, what=what, on_retry=on_retry, give_up_s=give_up_s)
 
 
-async def server_run_id(r: Any) -> tuple[tuple[str, str], ...]:
-    """The identity of the data set: each primary's replication ids (its own, and the one
-    it took over from at a failover). Compare two with ``same_data``: a restarted server
-    without persistence has lost every stream (readers fail in-flight work with a clear
-    error), a replica that took over after a failover has them all."""
-    if is_cluster(r):
-        infos = await r.info("replication", target_nodes=r.PRIMARIES)
-        docs = list(infos.values()) if isinstance(infos, dict) and "role" not in infos else [infos]
-    else:
-        docs = [await r.info("replication")]
-    return tuple(sorted((str(d.get("master_replid", "")), str(d.get("master_replid2", ""))) for d in docs))
+async def server_run_id(r: Any, key: str) -> str:
+    """The identity of the data set: a random id that the first reader stores at ``key``
+    (SET NX, no TTL) and everyone reads back. A restarted server without persistence has
+    lost it with every stream (readers then fail their in-flight work with a clear
+    error); a replica that took over at a failover, however many in a row, has it."""
+    pipe = r.pipeline(transaction=False)
+    pipe.set(key, uuid.uuid4().hex, nx=True)
+    pipe.get(key)
+    _, value = await pipe.execute()
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def same_data(before: tuple[tuple[str, str], ...], now: tuple[tuple[str, str], ...]) -> bool:
-    """Whether every primary ``now`` carries the data of one ``before``: the same replication
-    id, or (promoted at a failover) the previous id it continues."""
-    known = {replid for replid, _ in before}
-    return all(replid in known or (previous in known and previous.strip("0")) for replid, previous in now)
+def same_data(before: str, now: str) -> bool:
+    """Whether ``now`` (``server_run_id``) is the data set seen ``before`` (nothing seen: yes)."""
+    return not before or before == now
 
 
 def atomic(r: Any, slot_key: str) -> Any:

@@ -156,6 +156,12 @@ class Keys:
         return f"{self.ns}:cluster"
 
     @property
+    def dataset(self) -> str:
+        """String: a random id stored once (SET NX) by the first service that reads it; a
+        server that restarted empty has lost it (shared/bus.py ``server_run_id``)."""
+        return f"{self.ns}:dataset"
+
+    @property
     def drained(self) -> str:
         """Set: ranks that get no new work (``lockstep drain``)."""
         return f"{self.ns}:drained"
@@ -167,5 +173,5 @@ class Keys:
             self.step("{wave}", "{step}"), self.stats, self.snapshot, self.steps,  # type: ignore[arg-type]
             self.batch("{id}"), self.rank_alive("{r}"), self.rank_info("{r}"),  # type: ignore[arg-type]
             self.spare("{token}"), self.vacancies, self.dist, self.wave, self.paused, self.leader, self.incarnation, self.scheduler, self.api_alive("{api}"),
-            self.cluster, self.drained,
+            self.cluster, self.drained, self.dataset,
         ]

@@ -108,3 +108,34 @@ async def _unreachable(url: str) -> str:
     except bus.RedisUnreachable as exc:
         return str(exc)
     return ""
+
+
+def test_data_identity_survives_failovers_but_not_an_empty_restart(rcluster):
+    """What api-servers compare after an outage (shared/bus.py server_run_id): a failover,
+    even two in a row on the same shard, keeps the data set's id; a server restarted
+    empty has a new one."""
+    from shared.redis_server import EmbeddedRedis
+
+    key = K.Keys("ident").dataset
+
+    async def ident(url: str) -> str:
+        r = bus.connect(url)
+        try:
+            return await bus.server_run_id(r, key)
+        finally:
+            await r.aclose()
+
+    before = asyncio.run(ident(rcluster.url))
+    rcluster.failover(rcluster.primary_of(key))
+    rcluster.failover(rcluster.primary_of(key))
+    assert bus.same_data(before, asyncio.run(ident(rcluster.url)))
+    server = EmbeddedRedis().start()
+    try:
+        first = asyncio.run(ident(server.url))
+        assert first == asyncio.run(ident(server.url))
+        port = server.port
+        server.stop()
+        server = EmbeddedRedis(port=port).start()
+        assert not bus.same_data(first, asyncio.run(ident(server.url)))
+    finally:
+        server.stop()

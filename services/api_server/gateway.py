@@ -121,7 +121,7 @@ class Gateway:
         self.run_id = ""
 
     async def start(self) -> None:
-        self.run_id = await server_run_id(self.r)
+        self.run_id = await server_run_id(self.r, self.keys.dataset)
         info = await self.r.hgetall(self.keys.cluster)
         self.num_ranks = int(info.get(b"ranks", 1)) if info else 1
         if self.policy is not None:
@@ -276,7 +276,7 @@ class Gateway:
         """Back from a Redis outage. A restarted server without persistence has lost the
         request and output streams: fail the requests in flight with a clear, retryable
         error instead of letting them wait for tokens that will never come."""
-        run_id = await server_run_id(self.r)
+        run_id = await server_run_id(self.r, self.keys.dataset)
         lost = not same_data(self.run_id, run_id)   # a failover keeps the data; an empty restart does not
         if self.log is not None:
             self.log.info("redis_reconnected", what="outputs", restarted=lost)
