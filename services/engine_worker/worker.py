@@ -20,7 +20,7 @@ from collections import defaultdict
 from typing import Any
 
 from shared import keys as K
-from shared.bus import (Recorder, decode_entries, ensure_group, entry_id_key, execute_recorded,
+from shared.bus import (Recorder, atomic, decode_entries, ensure_group, entry_id_key, execute_recorded,
                         open_service_connection, retrying)
 from shared.cost_model import CostModel
 from shared.logging import configure
@@ -570,7 +570,7 @@ class EngineWorker(GroupMembership):
                     by_api[doc["api"]].append(doc["id"])
 
             async def send() -> None:
-                pipe = self.r.pipeline(transaction=True)
+                pipe = atomic(self.r, inbox)   # Redis Cluster: the notices, then the ack (shared/bus.py)
                 for api, ids in by_api.items():
                     pipe.xadd(self.keys.out(api), {FIELD: dumps({"k": "resume", "ids": ids})},
                               maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
