@@ -21,6 +21,7 @@ from services.engine_worker.sequence import Sequence
 from services.engine_worker.sim_backend import SimBackend
 from shared.messages import SamplingParams
 from shared.tokenizer import EOS, VOCAB_SIZE
+from tests.test_api_tools import exercise_tools
 
 MODEL = "lockstep-moe"
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -179,6 +180,7 @@ def test_structured_output_torch_random_weights(tmp_path):
     try:
         c = openai.OpenAI(base_url=cluster.api_url, api_key="unused", max_retries=0, timeout=240)
         _exercise(c, (1,))
+        exercise_tools(c)
         c.close()
     finally:
         cluster.stop()

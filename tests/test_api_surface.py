@@ -115,8 +115,8 @@ NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty"
 REFUSED_BOTH = [("include_stop_str_in_output", True), ("bad_words", ["x"]),
                 ("skip_special_tokens", False), ("prompt_logprobs", 1)]
 REFUSED_COMPLETION = [("suffix", "tail")]
-REFUSED_CHAT = [("tools", [{"type": "function"}]),
-                ("tool_choice", "auto"), ("store", True), ("modalities", ["audio"])]
+REFUSED_CHAT = [("functions", [{"name": "f"}]), ("function_call", "auto"), ("store", True),
+                ("modalities", ["audio"])]
 
 
 def test_neutral_values_are_accepted(client):

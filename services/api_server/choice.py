@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.api_server import tools
 from services.api_server.gateway import RequestChannel
 from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, join
 from services.api_server.protocol import ParsedRequest
@@ -57,8 +58,10 @@ def final(p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], p
     finish = "stop" if stopper.stopped else ch.finish
     if p.kind == "chat":
         lp = chat_logprobs(tokens, ch.logprobs, p.logprobs) if p.logprobs is not None else None
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                "finish_reason": finish}
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if p.tool_call is not None:
+            msg, finish = tools.message(p.tool_call, text, finish)
+        return {"index": index, "message": msg, "logprobs": lp, "finish_reason": finish}
     lp = None
     if p.logprobs is not None:
         cl = CompletionLogprobs(p.logprobs)
@@ -83,6 +86,7 @@ class StreamChoice:
         self.sent = 0
         self.done = False
         self.started = False     # chat's role delta / completion's echo sent
+        self.held = [] if p.tool_call is not None else None   # tool calls: sent whole at the end
 
     def _entry(self, text: str | None, finish: str | None, lp: Any = None, role: bool = False) -> dict[str, Any]:
         if self.p.kind == "chat":
@@ -116,12 +120,28 @@ class StreamChoice:
             lp = None
             if self.want_lp:
                 lp = chat_logprobs(new, lps, p.logprobs) if p.kind == "chat" else self.cl.part(new, lps)
-            if text or lp is not None:
+            if self.held is not None:
+                self.held.append(text)
+            elif text or lp is not None:
                 out.append(self._entry(text, None, lp=lp))
         if ch.finish is not None and self.sent >= len(ch.tokens) and ch.finish not in ("error", "abort"):
             tail = self.stopper.feed(self.dec.flush()) + self.stopper.finish()
-            if tail:
+            finish = "stop" if self.stopper.stopped else ch.finish
+            if self.held is not None:
+                entry, finish = tool_delta(p, "".join(self.held) + tail, finish, self.index)
+                out.append(entry)
+            elif tail:
                 out.append(self._entry(tail, None))
-            out.append(self._entry(None if p.kind == "chat" else "", "stop" if self.stopper.stopped else ch.finish))
+            out.append(self._entry(None if p.kind == "chat" else "", finish))
             self.done = True
         return out
+
+
+def tool_delta(p: ParsedRequest, text: str, finish: str, index: int) -> tuple[dict[str, Any], str]:
+    """A streamed tool-call choice's one delta (all its calls, or the text when it does
+    not parse) and its finish_reason."""
+    msg, finish = tools.message(p.tool_call, text, finish)
+    delta: dict[str, Any] = {"content": msg["content"]} if msg["content"] is not None else {}
+    if "tool_calls" in msg:
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(msg["tool_calls"])]
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}, finish

@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from services.api_server import tools
 from services.api_server.errors import ApiError
 from shared.messages import SamplingParams
 from services.api_server import hf_text
@@ -41,8 +42,6 @@ _NEUTRAL_COMPLETION: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
 }
 _NEUTRAL_CHAT: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     **_NEUTRAL,
-    "tools": (([],), {"type": "array", "maxItems": 0}),
-    "tool_choice": (("none",), {"type": "string", "enum": ["none"]}),
     "functions": (([],), {"type": "array", "maxItems": 0}),
     "function_call": (("none",), {"type": "string", "enum": ["none"]}),
     "parallel_tool_calls": ((True, False), {"type": "boolean"}),
@@ -53,8 +52,7 @@ _NEUTRAL_CHAT: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "web_search_options": ((), {"type": "null"}),
     "store": ((False,), {"type": "boolean", "enum": [False]}),
 }
-_WHY = {"tools": "tool calling is not implemented", "tool_choice": "tool calling is not implemented",
-        "functions": "tool calling is not implemented", "function_call": "tool calling is not implemented"}
+_WHY = {"functions": "use 'tools' and 'tool_choice'", "function_call": "use 'tools' and 'tool_choice'"}
 
 # Accepted and informational only: they never change the output (docs/api.md).
 _INFORMATIONAL = {"user": {"type": "string"}, "metadata": {"type": "object"}, "service_tier": {"type": "string"}}
@@ -126,12 +124,27 @@ CHAT_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["model", "messages"],
     "properties": {**_COMMON, **_neutral_schemas(_NEUTRAL_CHAT),
                    "max_completion_tokens": {"type": "integer", "minimum": 1},
+                   "tools": {"type": "array", "maxItems": 128, "items": {
+                       "type": "object", "required": ["type", "function"],
+                       "properties": {"type": {"type": "string", "enum": ["function"]},
+                                      "function": {"type": "object", "required": ["name"],
+                                                   "properties": {"name": {"type": "string"},
+                                                                  "description": {"type": "string"},
+                                                                  "parameters": {"type": "object"}}}}}},
+                   "tool_choice": {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                                             {"type": "object", "required": ["type", "function"],
+                                              "properties": {"type": {"type": "string", "enum": ["function"]},
+                                                             "function": {"type": "object", "required": ["name"],
+                                                                          "properties": {"name": {"type": "string"}}}}}],
+                                   "description": "\"auto\" needs a tool parser: a 400 here, as vLLM without one"},
                    "logprobs": {"type": "boolean"},
                    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
                    "messages": {"type": "array", "minItems": 1, "items": {
-                       "type": "object", "required": ["role", "content"],
-                       "properties": {"role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
-                                      "content": {"type": "string"}}}}},
+                       "type": "object", "required": ["role"],
+                       "properties": {"role": {"type": "string",
+                                               "enum": ["system", "developer", "user", "assistant", "tool"]},
+                                      "content": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                                      "tool_calls": {"type": "array"}, "tool_call_id": {"type": "string"}}}}},
     "additionalProperties": True,
     "description": "Unknown fields are ignored (logged once per field name at warning level); see docs/api.md.",
 }
@@ -161,11 +174,12 @@ class ParsedRequest:
     n: int = 1
     best_of: int = 1
     best_of_lp: bool = False       # logprobs asked only to rank best_of candidates: not shown
+    tool_call: Any = None          # tools.ToolCall: the output is tool calls (chat)
 
     @property
     def multi(self) -> bool:
-        """More than one engine request answers this one (multi.py)."""
-        return self.n > 1 or self.best_of > 1 or self.prompts is not None
+        """More than one engine request answers this one, or streamed tool calls (multi.py)."""
+        return self.n > 1 or self.best_of > 1 or self.prompts is not None or (self.stream and self.tool_call is not None)
     ignored: tuple[str, ...] = ()  # unknown top-level fields, ignored (docs/api.md)
     tok: Any = None                # a served checkpoint's tokenizer (None: bytes)
 
@@ -406,9 +420,15 @@ def _messages(body: dict) -> list[dict[str, str]]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]")
-        if m["role"] not in ("system", "developer", "user", "assistant"):
+        if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
             raise ApiError(400, f"messages[{i}].role {m['role']!r} is not supported", param=f"messages[{i}].role")
         content = m.get("content")
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if calls is not None and not isinstance(calls, list):
+            raise ApiError(400, f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
+        if content is None and m["role"] == "assistant":
+            # an assistant turn that called tools: the calls are its text in the prompt
+            content = tools.render_calls(calls) if calls else ""
         if isinstance(content, list):
             texts = []
             for part in content:
@@ -420,6 +440,10 @@ def _messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
         out.append({"role": m["role"], "content": content})
+        if calls:
+            out[-1]["tool_calls"] = calls
+        if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+            out[-1]["tool_call_id"] = m["tool_call_id"]
     return out
 
 
@@ -436,11 +460,12 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{served_model}'",
                        param="model", code="model_not_found")
     _unsupported(body, chat)
+    tool_defs, tool_call = tools.parse_tools(body) if chat else ([], None)
     batch: list[tuple[list[int], str]] = []
     if chat and tok is not None:
         text, prompt = hf_text.chat_prompt(tok, _messages(body))
     elif chat:
-        text = chat_template(_messages(body))
+        text = tools.tools_block(tool_defs) + chat_template(_messages(body))
         prompt = encode(text)
     else:
         if "prompt" not in body:
@@ -492,6 +517,11 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
         raise ApiError(400, f"'min_tokens' ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})",
                        param="min_tokens")
     g = guide(body)
+    if tool_call is not None:
+        if g is not None:
+            raise ApiError(400, f"'{g[0]}' cannot be combined with tool_choice {_show(body.get('tool_choice'))}",
+                           param=g[0])
+        g = ("tool_choice", tool_call.guide)
     if g is not None and tok is not None:
         raise ApiError(400, f"'{g[0]}' is not supported yet when serving a checkpoint (its grammar is built for the "
                        "byte-level model's tokens)", param=g[0], code="unsupported_parameter")
@@ -535,7 +565,7 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
     return ParsedRequest(kind=kind, model=model, prompt=prompt, params=params, stream=stream,
                          include_usage=include_usage, rank=rank, echo=echo, prompt_text=text,
                          ignored=tuple(unknown_fields(body, kind)), logprobs=lp, drop_output=drop_output,
-                         prompts=prompts, n=n, best_of=best_of, best_of_lp=best_of_lp, tok=tok)
+                         prompts=prompts, n=n, best_of=best_of, best_of_lp=best_of_lp, tool_call=tool_call, tok=tok)
 
 
 # --- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------
