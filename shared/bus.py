@@ -10,7 +10,10 @@ group (shared/redis_url.py), the same calls for all three.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import re
+import sys
 import signal
 import uuid
 from typing import Any, Awaitable, Callable, TypeVar
@@ -52,13 +55,21 @@ def redact_url(url: str) -> str:
     return url
 
 
+def client_name(argv: list[str] | None = None, pid: int | None = None) -> str:
+    """``lockstep-<command>-<pid>``: who holds each connection in ``CLIENT LIST`` (and so
+    which service sends what: scripts/redis-load counts commands and bytes per service)."""
+    args = sys.argv[1:] if argv is None else argv
+    role = next((a for a in args if not a.startswith("-")), "client")
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", f"lockstep-{role}-{os.getpid() if pid is None else pid}")
+
+
 def connect(url: str, *, timeout_s: float | None = None, connect_timeout_s: float = 5.0,
             max_connections: int = 256) -> Any:
     """A pooled asyncio client for the deployment ``url`` names (module docstring).
     ``timeout_s`` bounds socket reads (None: block reads need it open)."""
     target = redis_url.parse(url)
     common = dict(decode_responses=False, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s,
-                  socket_keepalive=True, health_check_interval=0)
+                  socket_keepalive=True, health_check_interval=0, client_name=client_name())
     if target.kind == redis_url.SINGLE:
         return aioredis.Redis.from_url(url, max_connections=max_connections, **common)
     if target.kind == redis_url.CLUSTER:
@@ -80,7 +91,7 @@ def connect_sync(url: str, *, timeout_s: float | None = None, connect_timeout_s:
     import redis
 
     target = redis_url.parse(url)
-    common = dict(socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s)
+    common = dict(socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s, client_name=client_name())
     if target.kind == redis_url.SINGLE:
         return redis.Redis.from_url(url, **common)
     if target.kind == redis_url.CLUSTER:
