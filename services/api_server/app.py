@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator
 
 import orjson
 from fastapi import FastAPI, Request as HttpRequest
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response, StreamingResponse
 
 from services.api_server.errors import ApiError, error_response
@@ -111,13 +111,13 @@ class HotPaths:
         await self.app(scope, receive, send)
 
 
-def create_app(settings: ApiServerSettings) -> Any:
+def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> Any:
     """The api-server's ASGI application (body limit, hot paths, then FastAPI)."""
     # One id per process incarnation: a restarted replica must not inherit the requests of
     # the one that died (engines abort those when its heartbeat stops).
     api_id = f"{settings.api_id or 'api'}-{uuid.uuid4().hex[:6]}"
     log = configure("api-server", settings.log_level, api=api_id)
-    metrics = ApiMetrics()
+    metrics = ApiMetrics(settings.model, metrics_dir)   # metrics_dir: shared by the port's replicas
     warned: set[str] = set()   # unknown request fields already logged (once per name per process)
     keys = K.Keys(settings.namespace)
     state: dict[str, Any] = {}
@@ -189,7 +189,7 @@ def create_app(settings: ApiServerSettings) -> Any:
                 pass
         if gw is not None and gw.policy is not None:
             metrics.observe_policy(gw.policy)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     def model_card() -> dict[str, Any]:
         return {"id": settings.model, "object": "model", "created": 0, "owned_by": "lockstep",
@@ -344,10 +344,7 @@ def create_app(settings: ApiServerSettings) -> Any:
         return {"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n}
 
     def _observe(ch: RequestChannel, t0: float, n: int) -> None:
-        if ch.first_t:
-            metrics.ttft.observe(ch.first_t - t0)
-        metrics.e2e.observe(time.monotonic() - t0)
-        metrics.completion_tokens.inc(n)
+        metrics.request_done(ch, t0, time.monotonic())
 
     async def _sse(request: HttpRequest, p: ParsedRequest, ch: RequestChannel, gw: Gateway,
                    rid: str, created: int) -> AsyncIterator[bytes]:
@@ -405,7 +402,7 @@ def create_app(settings: ApiServerSettings) -> Any:
                     new = []
                 if new:
                     if ch.last_t and last_t:
-                        metrics.itl.observe(ch.last_t - last_t)
+                        metrics.observe_itl(ch.last_t - last_t)
                     last_t = ch.last_t
                     text = _feed(p, dec, stopper, _text_tokens(p, ch, new, sent), sent - len(new))
                     lp = None

@@ -9,6 +9,7 @@ import socket
 import uvicorn
 
 from services.api_server.app import create_app
+from services.api_server.metrics_dir import for_cluster
 from shared.bus import RedisUnreachable, check_reachable
 from shared.settings import ApiServerSettings
 
@@ -35,7 +36,12 @@ def main(settings: ApiServerSettings) -> int:
     except OSError as exc:
         print(f"lockstep api-server: cannot listen on {settings.host}:{settings.port}: {exc}")
         return 2
-    app = create_app(settings)
+    try:
+        metrics_dir = asyncio.run(for_cluster(settings.redis_url, settings.namespace, settings.port))
+    except Exception as exc:  # noqa: BLE001 - metrics then cover this replica only, as before
+        print(f"lockstep api-server: metrics are this replica's only: {exc}")
+        metrics_dir = None
+    app = create_app(settings, metrics_dir)
     config = uvicorn.Config(app, loop="uvloop", http="httptools", log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5, backlog=4096, timeout_keep_alive=30)
     server = uvicorn.Server(config)

@@ -1,21 +1,48 @@
-"""Prometheus metrics of one api-server replica (``lockstep_`` prefix)."""
+"""Prometheus metrics of the api-servers (``lockstep_`` prefix, and vLLM's ``vllm:`` series).
+
+All replicas of one port share it (SO_REUSEPORT), so a scrape reaches one of them at
+random: with ``multiproc_dir`` (services/api_server/metrics_dir.py) every replica writes
+its values there (prometheus_client's multiprocess mode) and any replica's /metrics
+reports the sum over all of them: counters and histograms summed, ``inflight`` summed over
+live replicas, the load-view gauges (the same snapshot on every replica) the most recent.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# vLLM's buckets, so dashboards built for it read the same
+_V_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+           80.0, 160.0, 640.0, 2560.0)
+_V_TPOT = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_V_E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+          960.0, 1920.0, 7680.0)
+_V_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+def _enable_multiprocess(path: str) -> None:
+    """Metrics created from now on write to ``path`` (one file per process and kind)."""
+    from prometheus_client import values
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    values.ValueClass = values.MultiProcessValue()
 
 
 class ApiMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model: str = "lockstep-moe", multiproc_dir: str | None = None) -> None:
+        self.multiproc_dir = multiproc_dir
+        if multiproc_dir:
+            _enable_multiprocess(multiproc_dir)
         self.registry = CollectorRegistry()
         r = self.registry
+        self.model = model
         self.requests = Counter("lockstep_api_requests", "Requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
-        self.inflight = Gauge("lockstep_api_inflight", "Requests in flight on this replica", registry=r)
+        self.inflight = Gauge("lockstep_api_inflight", "Requests in flight on the api-servers", registry=r,
+                              multiprocess_mode="livesum")
         self.ttft = Histogram("lockstep_api_ttft_seconds", "Time to first token", buckets=_LAT, registry=r)
         self.itl = Histogram("lockstep_api_itl_seconds", "Time between token deltas", buckets=_LAT, registry=r)
         self.e2e = Histogram("lockstep_api_e2e_seconds", "Request latency end to end", buckets=_LAT, registry=r)
@@ -29,18 +56,75 @@ class ApiMetrics:
                                 ["rank"], registry=r)
         # The step-consistent load view as this replica last saw it (snapshot channel).
         self.snapshots = Counter("lockstep_api_snapshots", "Snapshots received from the scheduler", registry=r)
-        self.snapshot_seq = Gauge("lockstep_api_snapshot_seq", "Sequence number of the last snapshot", registry=r)
+        last = "mostrecent"     # the same view on every replica: the latest one written
+        self.snapshot_seq = Gauge("lockstep_api_snapshot_seq", "Sequence number of the last snapshot", registry=r,
+                                  multiprocess_mode=last)
         self.snapshot_step = Gauge("lockstep_api_snapshot_step", "(wave, step) of the last snapshot",
-                                   ["part"], registry=r)
+                                   ["part"], registry=r, multiprocess_mode=last)
         self.snapshot_time = Gauge("lockstep_api_snapshot_time_seconds", "Unix time of the last snapshot's step",
-                                   registry=r)
+                                   registry=r, multiprocess_mode=last)
         self.rank_load = Gauge("lockstep_api_rank_load", "Per-rank load in the last snapshot",
-                               ["rank", "what"], registry=r)
+                               ["rank", "what"], registry=r, multiprocess_mode=last)
         self.rank_received = Gauge("lockstep_api_rank_dispatches_received",
                                    "Dispatch decisions a rank had received (by dispatcher) in the last snapshot",
-                                   ["rank", "dispatcher"], registry=r)
-        self.policy = Gauge("lockstep_api_policy", "Client-dispatch policy counters of this replica",
-                            ["counter"], registry=r)
+                                   ["rank", "dispatcher"], registry=r, multiprocess_mode=last)
+        self.policy = Gauge("lockstep_api_policy", "Client-dispatch policy counters, summed over the replicas",
+                            ["counter"], registry=r, multiprocess_mode="livesum")
+        # vLLM's series (docs/operations.md), labelled with the served model as vLLM does
+        m = ["model_name"]
+        self.v_running = Gauge("vllm:num_requests_running", "Requests running on the ranks (KV allocated)", m,
+                               registry=r, multiprocess_mode=last).labels(model)
+        self.v_waiting = Gauge("vllm:num_requests_waiting", "Requests queued on the ranks, not yet running", m,
+                               registry=r, multiprocess_mode=last).labels(model)
+        self.v_kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, mean over the ranks (1 = full)", m,
+                          registry=r, multiprocess_mode=last).labels(model)
+        self.v_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", m, buckets=_V_TTFT,
+                                registry=r).labels(model)
+        self.v_itl = Histogram("vllm:inter_token_latency_seconds", "Time between streamed token deltas", m,
+                               buckets=_V_TPOT, registry=r).labels(model)
+        self.v_tpot = Histogram("vllm:time_per_output_token_seconds", "Mean time per output token after the first",
+                                m, buckets=_V_TPOT, registry=r).labels(model)
+        self.v_e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency end to end", m, buckets=_V_E2E,
+                               registry=r).labels(model)
+        self.v_prompt = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", m, registry=r).labels(model)
+        self.v_gen = Counter("vllm:generation_tokens", "Generated tokens of finished requests", m,
+                             registry=r).labels(model)
+        self.v_success = Counter("vllm:request_success", "Finished requests by finish reason",
+                                 ["model_name", "finished_reason"], registry=r)
+        self.v_req_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request", m,
+                                      buckets=_V_TOKENS, registry=r).labels(model)
+        self.v_req_gen = Histogram("vllm:request_generation_tokens", "Generated tokens per request", m,
+                                   buckets=_V_TOKENS, registry=r).labels(model)
+
+    def request_done(self, ch: Any, t0: float, now: float) -> None:
+        """A request's channel finished (RequestChannel): the per-request series."""
+        n = len(ch.tokens)
+        if ch.first_t:
+            self.ttft.observe(ch.first_t - t0)
+            self.v_ttft.observe(ch.first_t - t0)
+            if n > 1 and ch.last_t > ch.first_t:
+                self.v_tpot.observe((ch.last_t - ch.first_t) / (n - 1))
+        self.e2e.observe(now - t0)
+        self.v_e2e.observe(now - t0)
+        self.completion_tokens.inc(n)
+        self.v_gen.inc(n)
+        self.v_prompt.inc(ch.prompt_tokens)
+        self.v_req_prompt.observe(ch.prompt_tokens)
+        self.v_req_gen.observe(n)
+        self.v_success.labels(self.model, ch.finish or "stop").inc()
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.v_itl.observe(seconds)
+
+    def exposition(self) -> bytes:
+        """The text a scrape gets: every replica's values when they share a directory."""
+        if not self.multiproc_dir:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+        agg = CollectorRegistry()
+        multiprocess.MultiProcessCollector(agg, path=self.multiproc_dir)
+        return generate_latest(agg)
 
     def observe_snapshot(self, snap: Any) -> None:
         """Gauges of one published Snapshot (shared/stats.py)."""
@@ -50,6 +134,10 @@ class ApiMetrics:
         self.snapshot_step.labels("step").set(snap.step)
         self.snapshot_time.set(snap.t)
         carried = set(snap.carried)
+        ranks = list(snap.ranks.values())
+        self.v_running.set(sum(st.running for st in ranks))
+        self.v_waiting.set(sum(st.waiting for st in ranks))
+        self.v_kv.set(sum(st.kv_usage for st in ranks) / len(ranks) if ranks else 0.0)
         for rank, st in snap.ranks.items():
             rk = str(rank)
             for what, v in (("waiting", st.waiting), ("running", st.running), ("outstanding", st.outstanding),

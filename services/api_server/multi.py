@@ -164,11 +164,9 @@ async def _complete(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway
                        code="engine_error")
     chosen = pick(p, subs)
     shown = _visible(p)
+    done_t = time.monotonic()
     for s in subs:
-        if s.ch.first_t:
-            metrics.ttft.observe(s.ch.first_t - t0)
-        metrics.completion_tokens.inc(len(s.ch.tokens))
-    metrics.e2e.observe(time.monotonic() - t0)
+        metrics.request_done(s.ch, t0, done_t)
     choices = [final(shown, s.ch, idx, s.prompt, s.text) for idx, s in chosen]
     body: dict[str, Any] = {"id": rid, "object": "chat.completion" if p.kind == "chat" else "text_completion",
                             "created": created, "model": p.model, "choices": choices,
@@ -214,9 +212,9 @@ async def _sse(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway, rid
                     yield b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": p.model,
                                                     "choices": [], "usage": usage(p, pick(p, subs), subs)}) + b"\n\n"
                 yield b"data: [DONE]\n\n"
+                done_t = time.monotonic()
                 for s in subs:
-                    metrics.completion_tokens.inc(len(s.ch.tokens))
-                metrics.e2e.observe(time.monotonic() - t0)
+                    metrics.request_done(s.ch, t0, done_t)
                 return
             try:
                 await _wait(event, deadline)

@@ -1,0 +1,98 @@
+"""Issue #15: one /metrics for the whole port. The api-server replicas share one port
+(SO_REUSEPORT), so each scrape reaches one at random; every scrape must still report the
+whole cluster's totals, in the lockstep_* series and vLLM's. A live 2-replica `--backend sim`
+cluster, requests sent with the official openai SDK over fresh connections (so they
+spread over the replicas), scrapes over fresh connections too."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.api_server.metrics import ApiMetrics
+from services.api_server.metrics_dir import prepare
+
+pytestmark = pytest.mark.slow
+MODEL = "lockstep-moe"
+N = 16
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _scrape(root: str) -> dict[tuple[str, tuple], float]:
+    with httpx.Client(timeout=10) as c:        # a new connection: any replica may answer
+        r = c.get(root + "/metrics")
+    assert r.status_code == 200
+    return _samples(r.text)
+
+
+def _get(s: dict, name: str, **labels) -> float:
+    return s.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_every_scrape_reports_the_whole_port(sim_cluster):
+    root = sim_cluster.api_url.rsplit("/v1", 1)[0]
+    ids = set()
+    for _ in range(24):
+        with httpx.Client(timeout=10) as c:
+            ids.add(c.get(root + "/health").json()["api_id"])
+    assert len(ids) == 2, ids                  # the port's connections do reach both replicas
+
+    before = _scrape(root)
+    prompt_tokens = 0
+    for i in range(N):
+        with openai.OpenAI(base_url=sim_cluster.api_url, api_key="unused", max_retries=0, timeout=30) as c:
+            r = c.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=5, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 5
+        prompt_tokens += r.usage.prompt_tokens
+    m = {"model_name": MODEL}
+    for _ in range(6):
+        s = _scrape(root)
+
+        def delta(name: str, **labels) -> float:
+            return _get(s, name, **labels) - _get(before, name, **labels)
+
+        assert delta("vllm:request_success_total", finished_reason="length", **m) == N
+        assert delta("vllm:generation_tokens_total", **m) == 5 * N
+        assert delta("vllm:prompt_tokens_total", **m) == prompt_tokens
+        assert delta("vllm:e2e_request_latency_seconds_count", **m) == N
+        assert delta("vllm:time_to_first_token_seconds_count", **m) == N
+        assert delta("vllm:time_per_output_token_seconds_count", **m) == N
+        assert delta("vllm:request_generation_tokens_sum", **m) == 5 * N
+        assert delta("lockstep_api_requests_total", endpoint="completions", status="200") == N
+        assert delta("lockstep_api_completion_tokens_total") == 5 * N
+        assert _get(s, "lockstep_api_inflight") == 0
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            assert (gauge, tuple(m.items())) in s, gauge
+
+
+def test_a_dead_replicas_live_gauge_is_retired(tmp_path, monkeypatch):
+    """Unit: prepare() drops older runs' directories and a dead pid's live gauges."""
+    import prometheus_client.values as values
+
+    from services.api_server import metrics_dir
+
+    monkeypatch.setattr(metrics_dir, "ROOT", tmp_path)
+    old = tmp_path / "ns-1-100"
+    old.mkdir()
+    path = prepare("ns", 1, "200")
+    assert not old.exists() and path.endswith("ns-1-200")
+    saved = values.ValueClass
+    try:
+        m = ApiMetrics("x", path)
+        m.inflight.inc(3)
+        dead = tmp_path / "ns-1-200" / "gauge_livesum_999999999.db"
+        (tmp_path / "ns-1-200" / f"gauge_livesum_{__import__('os').getpid()}.db").rename(dead)
+        prepare("ns", 1, "200")
+        assert not dead.exists()
+    finally:
+        values.ValueClass = saved
+        monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
