@@ -73,9 +73,9 @@ def up(
         _fail(f"unknown --policy {policy!r}; choose one of: {', '.join(policy_names())}", 2)
     if dispatch not in ("scheduler", "client"):
         _fail(f"--dispatch must be 'scheduler' or 'client', not {dispatch!r}", 2)
-    model_env = {}
-    if model and model != "lockstep-moe":
-        from services.engine_worker.model.factory import check_checkpoint
+    from services.engine_worker.model.factory import check_checkpoint, is_checkpoint
+    model_env = {"LOCKSTEP_MODEL": model} if model else {}    # 'lockstep-moe' (the default) or 'random'
+    if model and is_checkpoint(model):
         if backend != "torch":
             _fail("--model needs --backend torch (the sim backend makes up byte tokens)", 2)
         model = os.path.abspath(model)   # the children may start elsewhere

@@ -7,7 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-BUNDLED = ("", "lockstep-moe")      # the names under which the bundled model is served
+BUNDLED = ("", "lockstep-moe", "random")   # the bundled model's names (not checkpoint directories)
+# The bundled model: trained by scripts/train-bundled-model on Python's own docstrings, byte
+# tokens. "random" is the seeded random-weight model of the same shape (config.py).
+BUNDLED_DIR = Path(__file__).with_name("bundled")
 
 
 def is_checkpoint(model: str) -> bool:
@@ -41,6 +44,10 @@ def make_runner(settings: Any, rank: int) -> Any:
 
     s = settings
     if not is_checkpoint(s.model):
+        if s.model != "random" and (BUNDLED_DIR / "model.safetensors").is_file():
+            # byte tokens: stop strings and EOS stay the byte tokenizer's (no use_vocabulary)
+            return TorchModelRunner.from_pretrained(str(BUNDLED_DIR), rank, s.ranks, s.num_kv_blocks, s.block_size,
+                                                    device=s.device, dtype=torch.float32)
         return TorchModelRunner(MoEConfig(seed=s.seed), rank, s.ranks, s.num_kv_blocks, s.block_size, device=s.device)
     from shared.hf_tokenizer import HFTokenizer, token_bytes_table
     from shared.stop import use_vocabulary
