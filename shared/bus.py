@@ -80,10 +80,13 @@ def connect(url: str, *, timeout_s: float | None = None, connect_timeout_s: floa
                             username=target.username, password=target.password,
                             max_connections=max_connections, **common)
     from redis.asyncio.sentinel import Sentinel
+
+    from shared.sentinel_client import AsyncSentinelRedis
     sentinel = Sentinel(list(target.nodes), sentinel_kwargs={"socket_connect_timeout": connect_timeout_s,
                                                              "socket_timeout": connect_timeout_s})
-    return sentinel.master_for(target.service, db=target.db, username=target.username, password=target.password,
-                               ssl=target.tls, max_connections=max_connections, **common)
+    return sentinel.master_for(target.service, redis_class=AsyncSentinelRedis, db=target.db,
+                               username=target.username, password=target.password, ssl=target.tls,
+                               max_connections=max_connections, **common).follow(sentinel, target.service)
 
 
 def connect_sync(url: str, *, timeout_s: float | None = None, connect_timeout_s: float = 5.0) -> Any:
@@ -101,10 +104,13 @@ def connect_sync(url: str, *, timeout_s: float | None = None, connect_timeout_s:
         return SyncCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], ssl=target.tls,
                             username=target.username, password=target.password, **common)
     from redis.sentinel import Sentinel
+
+    from shared.sentinel_client import SyncSentinelRedis
     sentinel = Sentinel(list(target.nodes), sentinel_kwargs={"socket_connect_timeout": connect_timeout_s,
                                                              "socket_timeout": connect_timeout_s})
-    return sentinel.master_for(target.service, db=target.db, username=target.username, password=target.password,
-                               ssl=target.tls, **common)
+    return sentinel.master_for(target.service, redis_class=SyncSentinelRedis, db=target.db,
+                               username=target.username, password=target.password, ssl=target.tls,
+                               **common).follow(sentinel, target.service)
 
 
 def is_cluster(r: Any) -> bool:
