@@ -271,8 +271,14 @@ class LocalCluster:
         return all(res[:-1]) and len(spares) >= self.o.spares, bool(res[-1])
 
     def _check_children(self) -> None:
-        for c in self.children:
+        for c in list(self.children):
             code = c.proc.poll()
+            if code == 0:
+                # Left on purpose, not a bad start: a scheduler whose lease lapsed on a
+                # starved machine steps down, an engine told to leave. Replace it.
+                if not self._restart(c, code):
+                    raise RuntimeError(f"{c.role} keeps exiting during start-up. Log: {c.log}")
+                continue
             if code is not None:
                 tail = _tail(c.log)
                 self.stop()

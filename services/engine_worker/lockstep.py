@@ -55,6 +55,12 @@ class LockstepGroup:
     @staticmethod
     def init(rank: int, world_size: int, addr: str, port: int, timeout_s: float, device: str = "cpu") -> "LockstepGroup":
         if world_size > 1 and not dist.is_initialized():
+            # The group's store keys carry a per-process counter (/default_pg/<n>/...). A
+            # failed init counts its group but leaves nothing to destroy (the destroy is
+            # what resets the counter), so after one missed rendezvous this process named
+            # every later group one above its peers, and both sides waited for keys the
+            # other never wrote, forever. Every formation starts from 0, as every peer does.
+            dist.distributed_c10d._world.group_count = 0
             dist.init_process_group(
                 backend="nccl" if device == "cuda" else "gloo",
                 init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,

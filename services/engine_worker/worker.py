@@ -133,7 +133,19 @@ class EngineWorker(GroupMembership):
         try:
             await self._prepare_streams()
             await self._announce_replacement()
-            await self._form_group()
+            try:
+                await self._form_group()
+            except Exception as exc:  # noqa: BLE001 - as in _reform: c10d's store errors, a rendezvous timeout
+                # Missed the rendezvous (a slow start: rank 0 gave up waiting and meets
+                # again under a new generation). Retry here, bounded, like a re-formation:
+                # exiting would re-import everything and, on a loaded machine, miss the
+                # next one too (seen: a restarted rank 1 missed 4 in a row; rank 0 gave up).
+                try:
+                    if not await self._reform(f"first formation failed: {str(exc)[:160]}"):
+                        return 0
+                except GroupLost as lost:
+                    self.log.error("engine_group_lost", error=str(lost))
+                    return 4
             self.backend = self._make_backend()
             await self.r.hset(self.keys.rank_info(self.rank), mapping={"ready": time.time(), "wave": 0, "step": 0})
             from services.engine_worker.metrics import start_metrics
