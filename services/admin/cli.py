@@ -40,7 +40,8 @@ def up(
     dispatch: str = typer.Option("scheduler", "--dispatch", help="scheduler (one decision maker) or client (api-servers pick)."),
     namespace: str = NS_OPT,
     redis_url: Optional[str] = typer.Option(None, "--redis-url", envvar="LOCKSTEP_REDIS_URL",
-                                            help="Use this Redis instead of starting a private one."),
+                                            help="Use this Redis instead of starting a private one: redis://, rediss://, "
+                                                 "redis+cluster://HOST:PORT, redis+sentinel://HOST:PORT/SERVICE."),
     persist: Optional[str] = typer.Option(None, "--persist", help="Keep the embedded Redis data in this directory."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="sim backend: scale modeled device time (0 = none)."),
     max_wait_ms: Optional[float] = typer.Option(None, "--max-wait-ms", min=0.0,
