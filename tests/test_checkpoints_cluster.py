@@ -34,6 +34,8 @@ def served(tmp_path_factory):
     cluster = start_cluster(tmp, "--ranks", "2", "--api-servers", "1", "--spares", "0", "--model", str(ckpt))
     try:
         client = openai.OpenAI(base_url=cluster.api_url, api_key="x", timeout=60, max_retries=0)
+        banner = (tmp / "up.out").read_text()
+        assert f"model '{ckpt.name}'" in banner, banner          # up says the name clients must send
         yield client, ckpt.name, ref, hf_tok
     finally:
         cluster.stop()

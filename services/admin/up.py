@@ -356,12 +356,18 @@ def _tail(path: Path, n: int = 15) -> str:
         return "(no log)"
 
 
+def served_model(o: UpOptions) -> str:
+    """The name clients send: a checkpoint is served under its directory's name."""
+    model = o.extra_env.get("LOCKSTEP_MODEL") or os.environ.get("LOCKSTEP_MODEL") or "lockstep-moe"
+    return Path(model).name if Path(model).is_dir() else model
+
+
 def banner(cluster: LocalCluster) -> str:
     o = cluster.o
     return "\n".join([
         f"lockstep is up: {o.ranks} ranks ({o.backend}) + {o.spares} hot spare{'s' * (o.spares != 1)}, "
         f"{o.api_servers} api-servers, policy {o.policy}",
-        f"  API        {cluster.api_url}   (OpenAI-compatible; model 'lockstep-moe')",
+        f"  API        {cluster.api_url}   (OpenAI-compatible; model '{served_model(o)}')",
         f"  Redis      {redact_url(cluster.url)}" + ("   (embedded, stops with this command)" if cluster.redis else ""),
         f"  Logs       {cluster.log_dir}",
         "  Inspect    lockstep status",
