@@ -240,3 +240,15 @@ def test_a_policy_that_never_releases_at_its_deadline_fails_instead_of_hanging()
     spec = dataclasses.replace(sim.resolve_policies("round_robin", cfg)[0], factory=lambda **kw: Stuck())
     with pytest.raises(RuntimeError, match="released nothing at its own deadline"):
         sim.run_policy(tr, spec, cfg)
+
+
+def test_the_ideal_run_in_a_forked_process_equals_the_one_in_line(monkeypatch):
+    from services.simulator import runner as runner_mod
+    kw = dict(ranks=4, api_servers=2, workload="bursty", requests=200, rate=20.0, seed=5, policies="least_score")
+    monkeypatch.setattr(runner_mod._IdealRun, "MIN_REQUESTS", 10**9)
+    inline, _ = runner_mod.run(**kw)
+    monkeypatch.setattr(runner_mod._IdealRun, "MIN_REQUESTS", 1)
+    forked, _ = runner_mod.run(**kw)
+    strip = lambda d: {k: v for k, v in d.items() if k != "wall_s"}   # noqa: E731
+    assert strip(forked["ideal"]) == strip(inline["ideal"])
+    assert {k: strip(v) for k, v in forked["policies"].items()} == {k: strip(v) for k, v in inline["policies"].items()}

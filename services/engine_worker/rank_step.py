@@ -89,8 +89,8 @@ class RankStep:
                         break
         queued = sum(p for _, p in pending)
         cfg = self.budget
-        # a prefill may wait for a balanced step in proportion to the prefill pending on the
-        # other ranks: with nothing pending elsewhere it starts at once (TTFT first)
+        # a prefill may wait for company min_delay_ms, longer in proportion to the prefill
+        # pending on the other ranks (what it could share a balanced step with)
         delay = (max(cfg.min_delay_ms, cfg.max_delay_ms * min(1.0, self.backlog / cfg.backlog_steps))
                  if cfg.min_balance > 0 else None)
         return must_tokens(plan.decode_tokens, pending, now_ms, self.last_step_ms, cfg, delay), queued
