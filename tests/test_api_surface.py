@@ -180,11 +180,14 @@ def test_sampling_params_out_of_range(client, name, value):
     assert err.value.response.json()["error"]["param"] == name
 
 
-def test_continuous_usage_stats_refused(client):
-    _refused(lambda: client.completions.create(
-        model=MODEL, prompt="x", max_tokens=2, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True}),
-        "stream_options.continuous_usage_stats")
+def test_continuous_usage_stats(client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+    chunks = list(client.completions.create(model=MODEL, prompt="usage", max_tokens=6, stream=True,
+                                            extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None and c.usage.prompt_tokens == 5 for c in chunks)
+    seen = [c.usage.completion_tokens for c in chunks]
+    assert seen == sorted(seen) and seen[-1] == 6 and chunks[-1].usage.total_tokens == 11
 
 
 def test_sdk_typed_parameters_refused(client):

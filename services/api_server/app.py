@@ -339,6 +339,11 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         return _json({"id": rid, "object": "text_completion", "created": created, "model": p.model,
                       "choices": [choice], "usage": _usage(p, ch)})
 
+    def _usage_so_far(p: ParsedRequest, sent: int) -> dict[str, int]:
+        """continuous_usage_stats: the tokens streamed so far (the prompt as billed)."""
+        n = 0 if p.drop_output else sent
+        return {"prompt_tokens": len(p.prompt), "completion_tokens": n, "total_tokens": len(p.prompt) + n}
+
     def _usage(p: ParsedRequest, ch: RequestChannel) -> dict[str, int]:
         pt, n = ch.prompt_tokens, 0 if p.drop_output else len(ch.tokens)
         return {"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n}
@@ -363,7 +368,9 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
             return b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": p.model,
-                                             "choices": [choice], **usage_null}) + b"\n\n"
+                                             "choices": [choice],
+                                             **(usage_null if not p.continuous_usage else
+                                                {"usage": _usage_so_far(p, sent)})}) + b"\n\n"
 
         t0 = time.monotonic()
         deadline = t0 + settings.request_timeout_s

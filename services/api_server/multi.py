@@ -191,6 +191,10 @@ async def _sse(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway, rid
     metrics.inflight.inc()
 
     def chunk(entries: list[dict[str, Any]]) -> bytes:
+        if p.continuous_usage:       # the tokens streamed so far, over all choices
+            pt = sum(len(s.prompt) for s in subs if s.j == 0)
+            ct = 0 if p.drop_output else sum(st.sent for st in streams)
+            extra["usage"] = {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
         return b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": p.model,
                                          "choices": entries, **extra}) + b"\n\n"
     try:

@@ -66,8 +66,7 @@ _COMMON: dict[str, Any] = {
     "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"},
-                                                        "continuous_usage_stats": {"type": "boolean",
-                                                                                   "enum": [False]}}},
+                                                        "continuous_usage_stats": {"type": "boolean"}}},
     "ignore_eos": {"type": "boolean"},
     "top_k": {"type": "integer", "minimum": -1, "description": "-1 or 0: no cut"},
     "min_p": {"type": "number", "minimum": 0, "maximum": 1},
@@ -175,6 +174,7 @@ class ParsedRequest:
     best_of: int = 1
     best_of_lp: bool = False       # logprobs asked only to rank best_of candidates: not shown
     tool_call: Any = None          # tools.ToolCall: the output is tool calls (chat)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
 
     @property
     def multi(self) -> bool:
@@ -369,11 +369,6 @@ def _unsupported(body: dict, chat: bool) -> None:
             raise ApiError(400, f"'{name}' is not supported yet by this server (only the neutral value "
                            f"{'null' if not neutral else ' or '.join(_show(n) for n in neutral)} is accepted)"
                            + (f"; {why}" if why else ""), param=name, code="unsupported_parameter")
-    opts = body.get("stream_options")
-    if isinstance(opts, dict) and opts.get("continuous_usage_stats") not in (None, False):
-        raise ApiError(400, "'stream_options.continuous_usage_stats' is not supported yet by this server "
-                       "(only false is accepted)", param="stream_options.continuous_usage_stats",
-                       code="unsupported_parameter")
 
 
 def _show(v: Any) -> str:
@@ -548,6 +543,8 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
     if opts is not None and not isinstance(opts, dict):
         raise ApiError(400, "'stream_options' must be an object", param="stream_options")
     include_usage = bool(opts and opts.get("include_usage"))
+    # vLLM's: usage in every chunk (with include_usage)
+    continuous_usage = include_usage and bool(opts.get("continuous_usage_stats"))
     if include_usage and not stream:
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
     rank_raw = body.get("data_parallel_rank", header_rank)
@@ -565,7 +562,8 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
     return ParsedRequest(kind=kind, model=model, prompt=prompt, params=params, stream=stream,
                          include_usage=include_usage, rank=rank, echo=echo, prompt_text=text,
                          ignored=tuple(unknown_fields(body, kind)), logprobs=lp, drop_output=drop_output,
-                         prompts=prompts, n=n, best_of=best_of, best_of_lp=best_of_lp, tool_call=tool_call, tok=tok)
+                         prompts=prompts, n=n, best_of=best_of, best_of_lp=best_of_lp, tool_call=tool_call,
+                         continuous_usage=continuous_usage, tok=tok)
 
 
 # --- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------
