@@ -268,3 +268,13 @@ def test_min_tokens_defers_stop_strings(client):
                                              ).choices[0].text
         assert plain.encode() == raw[:first]
         assert held.encode() == raw[:j]
+
+
+def test_many_and_long_stop_strings_are_served():
+    """vLLM serves more than OpenAI's 4 stop strings and long ones; the bound is 64 x 1024 bytes."""
+    stops = [f"stop{i}" for i in range(40)] + ["x" * 1000]
+    assert _parse({"prompt": "x", "stop": stops}).params.stop == stops
+    for bad in ([f"s{i}" for i in range(65)], ["y" * 1025], [""]):
+        with pytest.raises(ApiError) as err:
+            _parse({"prompt": "x", "stop": bad})
+        assert err.value.body()["error"]["param"] == "stop"

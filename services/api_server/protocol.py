@@ -19,8 +19,8 @@ from shared.messages import SamplingParams
 from services.api_server import hf_text
 from shared.tokenizer import BOS, EOS, VOCAB_SIZE, StreamDecoder, encode
 
-MAX_STOP_STRINGS = 4
-MAX_STOP_LEN = 64
+MAX_STOP_STRINGS = 64       # vLLM has no limit; a bound still (each costs an endswith per token)
+MAX_STOP_LEN = 1024
 MAX_LOGPROBS = 20          # as vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 64
@@ -63,7 +63,7 @@ _COMMON: dict[str, Any] = {
     "temperature": {"type": "number", "minimum": 0, "maximum": 2},
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "seed": {"type": "integer"},
-    "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+    "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS}]},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"},
                                                         "continuous_usage_stats": {"type": "boolean"}}},
