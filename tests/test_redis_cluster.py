@@ -7,6 +7,7 @@ a primary failover mid-run loses nothing: every request completes exactly once."
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import openai
@@ -17,7 +18,7 @@ from shared import bus
 from shared import keys as K
 from shared.tokenizer import encode
 from tests.conftest import start_cluster
-from tests.helpers import sim_expected_text
+from tests.helpers import poll_until, sim_expected_text
 from tests.redis_topology import LocalCluster, check_streams, stream_many
 
 pytestmark = pytest.mark.slow
@@ -48,6 +49,28 @@ def test_cluster_url_serves_openai_requests(up):
     assert chat.usage.completion_tokens == 8
     client.close()
     check_streams(stream_many(up.api_url, 16, 24, "burst"), 16, 24, "burst")
+    # The admin commands work against the cluster too (status reads keys on every primary).
+    def status():
+        res = up.cli("status", "--json")
+        assert res.returncode == 0, res.stderr
+        doc = json.loads(res.stdout)
+        # The leader publishes its counters every lease_ms / 3: wait for this burst's.
+        return doc if doc["scheduler"]["counters"].get("dispatched", 0) >= 18 else None
+
+    doc = poll_until(status, timeout=30, what="status shows the dispatched requests")
+    assert [r["alive"] for r in doc["ranks"]] == [True, True], doc["ranks"]
+
+
+def test_client_dispatch_on_the_cluster(rcluster, tmp_path):
+    """api-servers that place requests themselves: their inbox writes and the wake script
+    in one MULTI on the dispatch slot, snapshots followed by pub/sub through the cluster."""
+    cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "2", "--backend", "sim",
+                            "--dispatch", "client", "--policy", "least_score", "--redis-url", rcluster.url,
+                            namespace="lscd")
+    try:
+        check_streams(stream_many(cluster.api_url, 12, 16, "cd"), 12, 16, "cd")
+    finally:
+        cluster.stop()
 
 
 def test_atomic_keys_share_a_slot_and_streams_spread(up, rcluster):
