@@ -68,7 +68,7 @@ def make_tokenizer(out: Path, kind: str = "bytelevel", vocab_size: int = 384):
 
 def make_checkpoint(out: Path, arch: str, *, n_experts: int = 8, layers: int = 2, tokenizer: str | None = None,
                     rope_scaling: dict | None = None, seed: int = 0, **overrides):
-    """A random ``arch`` model ('qwen3_moe', 'mixtral', 'olmoe') saved in ``out`` with a
+    """A random ``arch`` model ('qwen3_moe', 'mixtral', 'olmoe', 'deepseek_v2') saved in ``out`` with a
     tokenizer; returns the transformers model (fp32, eval) for reference forwards."""
     import torch
     from transformers import (GenerationConfig, MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
@@ -91,6 +91,14 @@ def make_checkpoint(out: Path, arch: str, *, n_experts: int = 8, layers: int = 2
     elif arch == "mixtral":
         cfg = MixtralConfig(num_local_experts=n_experts, **common)
         cls = MixtralForCausalLM
+    elif arch == "deepseek_v2":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+        cfg = DeepseekV2Config(**{"n_routed_experts": n_experts, "n_shared_experts": 2, "moe_intermediate_size": 16,
+                                  "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": None,
+                                  "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                                  "topk_method": "greedy", "routed_scaling_factor": 1.5, "norm_topk_prob": False,
+                                  **{**common, "num_key_value_heads": common["num_attention_heads"]}})
+        cls = DeepseekV2ForCausalLM
     elif arch == "olmoe":
         cfg = OlmoeConfig(num_experts=n_experts, **{"norm_topk_prob": False, **common})
         cls = OlmoeForCausalLM

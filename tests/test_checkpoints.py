@@ -28,7 +28,7 @@ from tests.hf_checkpoints import make_checkpoint  # noqa: E402
 
 ATOL = 1e-4
 BLOCK = 4
-ARCHS = ["qwen3_moe", "mixtral", "olmoe"]
+ARCHS = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v2"]
 
 
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
@@ -50,10 +50,15 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, object]]:
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}))
     out["mixtral_linear"] = (root / "ml", make_checkpoint(
         root / "ml", "mixtral", rope_scaling={"rope_type": "linear", "factor": 2.0}))
+    # DeepSeek-V2 as V2 itself is configured: low-rank queries, group-limited routing, YaRN with mscale
+    out["deepseek_v2_full"] = (root / "dv", make_checkpoint(
+        root / "dv", "deepseek_v2", layers=3, q_lora_rank=12, topk_method="group_limited_greedy", n_group=4,
+        topk_group=2, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                    "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}))
     return out
 
 
-@pytest.mark.parametrize("name", ARCHS + ["qwen3_moe_dense_yarn", "mixtral_linear"])
+@pytest.mark.parametrize("name", ARCHS + ["qwen3_moe_dense_yarn", "mixtral_linear", "deepseek_v2_full"])
 def test_one_rank_chunked_prefill_and_decode_match_transformers(checkpoints, name):
     path, ref = checkpoints[name]
     runner = TorchModelRunner.from_pretrained(str(path), 0, 1, num_kv_blocks=24, block_size=BLOCK)
@@ -86,6 +91,10 @@ def test_config_reading_and_the_memory_it_implies(checkpoints):
     one, four = cfg.param_bytes(1, 4), cfg.param_bytes(4, 4)
     assert one["shared"] + one["experts"] == 4 * n_params
     assert four["experts"] * 4 == one["experts"] and four["shared"] == one["shared"]
+    for name in ARCHS + ["deepseek_v2_full"]:      # the memory formula counts every parameter
+        p, m = checkpoints[name]
+        b = read_config(p).param_bytes(1, 2)
+        assert b["shared"] + b["experts"] == 2 * sum(t.numel() for t in m.parameters()), name
     with pytest.raises(ValueError, match="not divisible"):
         cfg.experts_of_rank(0, 3)
     with pytest.raises(ValueError, match="not supported"):
@@ -166,7 +175,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_and_four_ep_ranks_match_transformers(checkpoints, tmp_path):
-    names = ["qwen3_moe", "mixtral", "olmoe", "qwen3_moe_dense_yarn"]
+    names = ["qwen3_moe", "mixtral", "olmoe", "qwen3_moe_dense_yarn", "deepseek_v2_full"]
     paths = {n: str(checkpoints[n][0]) for n in names}
     world = 4
     ctx = mp.get_context("spawn")

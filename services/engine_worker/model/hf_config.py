@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
 }
 
 
@@ -36,6 +37,12 @@ class HFConfig:
     dense_layers: frozenset[int] = field(default_factory=frozenset)   # layers with a dense MLP, no experts
     clip_qkv: float | None = None   # OLMoE: clamp q, k, v to +-clip_qkv
     eos_token_ids: tuple[int, ...] = ()
+    rope_dim: int = 0               # rotary width per head (0: head_dim); DeepSeek: qk_rope_head_dim
+    # DeepSeek-V2 (MLA + shared experts): q_lora_rank, kv_lora_rank, qk_nope_head_dim, v_head_dim,
+    # n_shared_experts, routed_scaling_factor, topk_method, n_group, topk_group. Its KV cache
+    # row is the compressed latent (kv_lora_rank + qk_rope_head_dim), split over the K and V
+    # halves of the cache: n_kv_heads 1, head_dim half the latent (rounded up).
+    mla: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "HFConfig":
@@ -49,7 +56,7 @@ class HFConfig:
         d_model = int(d["hidden_size"])
         head_dim = int(d.get("head_dim") or d_model // n_heads)
         n_layers = int(d["num_hidden_layers"])
-        n_experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
+        n_experts = int(d.get("num_local_experts") or d.get("num_experts") or d.get("n_routed_experts") or 0)
         if not n_experts:
             raise ValueError("config.json names no experts (num_experts / num_local_experts)")
         max_position = int(d.get("max_position_embeddings", 4096))
@@ -63,6 +70,8 @@ class HFConfig:
             step = int(d.get("decoder_sparse_step", 1) or 1)
             dense = {i for i in range(n_layers)
                      if i in set(d.get("mlp_only_layers") or []) or (i + 1) % step != 0}
+        if name == "deepseek_v2":
+            return _deepseek_v2(d, n_heads, n_layers, n_experts, max_position)
         window = d.get("sliding_window")
         if window and (name == "mixtral" or d.get("use_sliding_window")):
             # Sliding-window attention equals full attention while the context fits the window.
@@ -77,6 +86,10 @@ class HFConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), dense_layers=frozenset(dense),
             clip_qkv=d.get("clip_qkv"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -98,6 +111,8 @@ class HFConfig:
     def param_bytes(self, world_size: int, bytes_per_param: int) -> dict[str, int]:
         """Weight memory of one rank: what every rank holds, and its share of the experts."""
         d, hd = self.d_model, self.head_dim
+        if self.mla:
+            return self._mla_param_bytes(world_size, bytes_per_param)
         qk_norm = {"qwen3_moe": 2 * hd, "olmoe": (self.n_heads + self.n_kv_heads) * hd}.get(self.architecture, 0)
         attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + 2 * d + qk_norm
         moe_layers = self.n_layers - len(self.dense_layers)
@@ -107,8 +122,44 @@ class HFConfig:
         experts = moe_layers * (self.n_experts // world_size) * 3 * d * self.d_ff_expert
         return {"shared": shared * bytes_per_param, "experts": experts * bytes_per_param}
 
+    def _mla_param_bytes(self, world_size: int, bytes_per_param: int) -> dict[str, int]:
+        m, d, H = self.mla, self.d_model, self.n_heads
+        qk = m["qk_nope_head_dim"] + self.rope_dim
+        q = d * H * qk if not m["q_lora_rank"] else d * m["q_lora_rank"] + m["q_lora_rank"] * (1 + H * qk)
+        attn = (q + d * (m["kv_lora_rank"] + self.rope_dim) + m["kv_lora_rank"] * (1 + H * (m["qk_nope_head_dim"]
+                + m["v_head_dim"])) + H * m["v_head_dim"] * d + 2 * d)
+        moe_layers = self.n_layers - len(self.dense_layers)
+        shared = (self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d + self.n_layers * attn
+                  + moe_layers * (self.n_experts * d + 3 * d * self.d_ff_expert * m["n_shared_experts"])
+                  + len(self.dense_layers) * 3 * d * self.d_ff_dense)
+        experts = moe_layers * (self.n_experts // world_size) * 3 * d * self.d_ff_expert
+        return {"shared": shared * bytes_per_param, "experts": experts * bytes_per_param}
+
     def kv_bytes_per_token(self, bytes_per_elem: int) -> int:
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * bytes_per_elem
+
+
+def _deepseek_v2(d: dict[str, Any], n_heads: int, n_layers: int, n_experts: int, max_position: int) -> HFConfig:
+    first_dense, freq = int(d.get("first_k_dense_replace", 0)), int(d.get("moe_layer_freq", 1) or 1)
+    kv_lora, rope_dim = int(d["kv_lora_rank"]), int(d["qk_rope_head_dim"])
+    if d.get("topk_method", "greedy") not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"DeepSeek topk_method {d.get('topk_method')!r} is not supported (greedy, group_limited_greedy)")
+    eos = d.get("eos_token_id")
+    return HFConfig(
+        architecture="deepseek_v2", vocab_size=int(d["vocab_size"]), d_model=int(d["hidden_size"]), n_layers=n_layers,
+        n_heads=n_heads, n_kv_heads=1, head_dim=-(-(kv_lora + rope_dim) // 2), n_experts=n_experts,
+        top_k=int(d["num_experts_per_tok"]), d_ff_expert=int(d["moe_intermediate_size"]),
+        d_ff_dense=int(d["intermediate_size"]), norm_eps=float(d.get("rms_norm_eps", 1e-6)), max_position=max_position,
+        rope=rope_parameters(d), norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        dense_layers=frozenset(i for i in range(n_layers) if i < first_dense or i % freq),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]), rope_dim=rope_dim,
+        mla={"q_lora_rank": d.get("q_lora_rank"), "kv_lora_rank": kv_lora,
+             "qk_nope_head_dim": int(d["qk_nope_head_dim"]), "v_head_dim": int(d["v_head_dim"]),
+             "n_shared_experts": int(d.get("n_shared_experts") or 0),
+             "routed_scaling_factor": float(d.get("routed_scaling_factor", 1.0)),
+             "topk_method": d.get("topk_method", "greedy"), "n_group": d.get("n_group"),
+             "topk_group": d.get("topk_group")})
 
 
 def rope_parameters(d: dict[str, Any]) -> dict[str, Any]:

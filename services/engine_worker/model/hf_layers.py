@@ -185,7 +185,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else \
             empty(cfg.vocab_size, cfg.d_model, dtype=dtype, device=device)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, device)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim, device)
 
     def forward(self, input_ids: torch.Tensor, layout: BatchLayout, cache: PagedKVCache) -> torch.Tensor:
         x = self.embed_tokens[input_ids]
