@@ -94,7 +94,7 @@ def _summarize(args: argparse.Namespace, per_rank: list[dict]) -> dict:
     comm_ms = [statistics.fmean(r["busy"][i][1] for r in per_rank) * 1e3 for i in range(steps)]
     n_idle = len(per_rank[0]["idle"])
     out = {
-        "model": args.model or "bundled",
+        "model": args.model or "random",
         "ranks": args.ranks,
         "seqs_per_rank": args.seqs,
         "context_tokens": args.prompt_len,
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--model", default="", help="a local Hugging Face checkpoint directory (default: the bundled model)")
+    p.add_argument("--model", default="", help="a local Hugging Face checkpoint directory, e.g. services/engine_worker/model/bundled (default: seeded random weights of that shape)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args(argv)
