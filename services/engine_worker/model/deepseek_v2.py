@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine_worker.model.hf_config import HFConfig
-from services.engine_worker.model.hf_layers import (DecoderLayer, DecoderModel, RMSNorm, SparseMoE, SwiGLU, _Linear,
+from services.engine_worker.model.hf_layers import (DecoderLayer, DecoderModel, RMSNorm, SparseMoE, SwiGLU, Linear,
                                                     empty)
 from services.engine_worker.model.kv_cache import BatchLayout
 from services.engine_worker.model.moe import AllToAll
@@ -46,15 +46,15 @@ class MLAttention(nn.Module):
         qk = self.nope + self.rope
         self.q_lora = m["q_lora_rank"]
         if self.q_lora:
-            self.q_a_proj = _Linear(self.q_lora, d, dtype, device)
+            self.q_a_proj = Linear(self.q_lora, d, dtype, device)
             self.q_a_layernorm = RMSNorm(self.q_lora, 1e-6, dtype, device)
-            self.q_b_proj = _Linear(H * qk, self.q_lora, dtype, device)
+            self.q_b_proj = Linear(H * qk, self.q_lora, dtype, device)
         else:
-            self.q_proj = _Linear(H * qk, d, dtype, device)
-        self.kv_a_proj_with_mqa = _Linear(self.lora + self.rope, d, dtype, device)
+            self.q_proj = Linear(H * qk, d, dtype, device)
+        self.kv_a_proj_with_mqa = Linear(self.lora + self.rope, d, dtype, device)
         self.kv_a_layernorm = RMSNorm(self.lora, 1e-6, dtype, device)
-        self.kv_b_proj = _Linear(H * (self.nope + self.vd), self.lora, dtype, device)
-        self.o_proj = _Linear(d, H * self.vd, dtype, device)
+        self.kv_b_proj = Linear(H * (self.nope + self.vd), self.lora, dtype, device)
+        self.o_proj = Linear(d, H * self.vd, dtype, device)
         self.scale = qk ** -0.5
         r = cfg.rope
         if r["rope_type"] != "default" and r.get("mscale_all_dim"):

@@ -62,10 +62,10 @@ class Attention(nn.Module):
         super().__init__()
         d, H, Hkv, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.H, self.Hkv, self.D, self.clip = H, Hkv, D, cfg.clip_qkv
-        self.q_proj = _Linear(H * D, d, dtype, device)
-        self.k_proj = _Linear(Hkv * D, d, dtype, device)
-        self.v_proj = _Linear(Hkv * D, d, dtype, device)
-        self.o_proj = _Linear(d, H * D, dtype, device)
+        self.q_proj = Linear(H * D, d, dtype, device)
+        self.k_proj = Linear(Hkv * D, d, dtype, device)
+        self.v_proj = Linear(Hkv * D, d, dtype, device)
+        self.o_proj = Linear(d, H * D, dtype, device)
         self.qk_norm = qk_norm
         if qk_norm is not None:
             qn, kn = (D, D) if qk_norm == "head" else (H * D, Hkv * D)
@@ -89,7 +89,7 @@ class Attention(nn.Module):
         return self.o_proj(paged_attention(q, k, v, layout, k_cache, v_cache))
 
 
-class _Linear(nn.Module):
+class Linear(nn.Module):
     """A bias-free projection whose parameter is named ``weight`` (the checkpoint's name)."""
 
     def __init__(self, out_dim: int, in_dim: int, dtype: torch.dtype, device: str | torch.device) -> None:
@@ -108,7 +108,7 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.names = names
         for n, shape in zip(names, ((f, d), (f, d), (d, f))):
-            self.add_module(n, _Linear(*shape, dtype, device))
+            self.add_module(n, Linear(*shape, dtype, device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u, dn = (getattr(self, n) for n in self.names)
@@ -157,10 +157,6 @@ class SparseMoE(ExpertParallelMoE):
         experts = nn.ModuleList(SwiGLU(cfg.d_model, cfg.d_ff_expert, dtype, device, names) for _ in local)
         super().__init__(SoftmaxTopKRouter(cfg, dtype, device), experts, cfg.n_experts, cfg.top_k,
                          local.start, world_size, comm)
-
-    @property
-    def gate(self) -> SoftmaxTopKRouter:
-        return self.router
 
     def checkpoint_names(self, prefix: str) -> dict[str, torch.Tensor]:
         """{checkpoint tensor name: our parameter} for the router and this rank's experts only."""
