@@ -178,6 +178,12 @@ def test_api_parse_uses_the_checkpoints_tokenizer_template_and_eos(tok_dir):
     p = parse({"model": "m", "prompt": "Hello, world!", "ignore_eos": True, "stop_token_ids": [5]}, "completion",
               served_model="m", max_model_len=512, num_ranks=1, tok=tok)
     assert p.prompt == ref("Hello, world!")["input_ids"] and p.params.stop_token_ids == [5]
+    p = parse({"model": "m", "prompt": "x", "logit_bias": {"300": 5}, "stop_token_ids": [301]}, "completion",
+              served_model="m", max_model_len=512, num_ranks=1, tok=tok)      # ids past the byte model's 260
+    assert p.params.logit_bias == {300: 5.0} and 301 in p.params.stop_token_ids
+    with pytest.raises(ApiError, match="outside"):
+        parse({"model": "m", "prompt": "x", "logit_bias": {str(tok.vocab_size): 5}}, "completion", served_model="m",
+              max_model_len=512, num_ranks=1, tok=tok)
     with pytest.raises(ApiError, match="token ids must be within"):
         parse({"model": "m", "prompt": [1, tok.vocab_size]}, "completion", served_model="m", max_model_len=512,
               num_ranks=1, tok=tok)

@@ -236,7 +236,7 @@ def _stop(body: dict) -> list[str]:
     return stops
 
 
-def _logit_bias(body: dict) -> dict[int, float]:
+def _logit_bias(body: dict, vocab: int = VOCAB_SIZE) -> dict[int, float]:
     v = body.get("logit_bias")
     if v is None:
         return {}
@@ -250,8 +250,8 @@ def _logit_bias(body: dict) -> dict[int, float]:
             t = int(k)
         except (TypeError, ValueError):
             raise ApiError(400, f"'logit_bias' key {k!r} is not a token id", param="logit_bias") from None
-        if not 0 <= t < VOCAB_SIZE:
-            raise ApiError(400, f"'logit_bias' token {t} is outside 0..{VOCAB_SIZE - 1}", param="logit_bias")
+        if not 0 <= t < vocab:
+            raise ApiError(400, f"'logit_bias' token {t} is outside 0..{vocab - 1}", param="logit_bias")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
             raise ApiError(400, f"'logit_bias' of token {t} must be a number in -100..100", param="logit_bias")
         if b:
@@ -259,7 +259,7 @@ def _logit_bias(body: dict) -> dict[int, float]:
     return out
 
 
-def _stop_token_ids(body: dict) -> list[int]:
+def _stop_token_ids(body: dict, vocab: int = VOCAB_SIZE) -> list[int]:
     v = body.get("stop_token_ids")
     if v is None:
         return []
@@ -267,8 +267,8 @@ def _stop_token_ids(body: dict) -> list[int]:
         raise ApiError(400, "'stop_token_ids' must be a list of token ids", param="stop_token_ids")
     if len(v) > MAX_STOP_TOKEN_IDS:
         raise ApiError(400, f"'stop_token_ids' takes at most {MAX_STOP_TOKEN_IDS} ids", param="stop_token_ids")
-    if any(not 0 <= t < VOCAB_SIZE for t in v):
-        raise ApiError(400, f"'stop_token_ids' must be within 0..{VOCAB_SIZE - 1}", param="stop_token_ids")
+    if any(not 0 <= t < vocab for t in v):
+        raise ApiError(400, f"'stop_token_ids' must be within 0..{vocab - 1}", param="stop_token_ids")
     return sorted(set(v))
 
 
@@ -506,8 +506,9 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
     params.logprobs = lp
     if echo and lp is not None:
         params.prompt_logprobs = lp
-    params.logit_bias = _logit_bias(body)
-    params.stop_token_ids = _stop_token_ids(body)
+    vocab = VOCAB_SIZE if tok is None else tok.vocab_size
+    params.logit_bias = _logit_bias(body, vocab)
+    params.stop_token_ids = _stop_token_ids(body, vocab)
     if tok is not None:
         hf_text.checkpoint_stops(params, tok)
     params.min_tokens = _num(body, "min_tokens", int, 0, lo=0)
