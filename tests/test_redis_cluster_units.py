@@ -64,3 +64,29 @@ def test_every_transaction_goes_through_atomic():
                 if not any(rel == p and key in following for p, key in single_key):
                     found.append(f"{rel}:{i + 1}")
     assert not found, f"use bus.atomic(r, slot_key) for these transactions: {found}"
+
+
+def test_redis_load_model_follows_the_step_protocol():
+    """scripts/redis-load's model: each rank sends 5 commands a step plus an XADD and an
+    EXPIRE per api-server it serves (and a little for finishes and heartbeats); the
+    scheduler's bytes grow with the ranks (the snapshot); the script prints every service."""
+    import importlib.util
+    import subprocess
+    import sys
+    from importlib.machinery import SourceFileLoader
+
+    path = str(ROOT / "scripts" / "redis-load")
+    spec = importlib.util.spec_from_loader("redis_load", SourceFileLoader("redis_load", path))
+    load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load)
+    w = load.Workload(ranks=256, api_servers=16, step_s=0.04, running=32, output_tokens=256)
+    m = load.model(w)
+    per_rank = m["engine-worker"]["cmds_per_step"] / 256
+    assert 5 + 2 * 16 <= per_rank < 5 + 2 * 16 + 1.5, per_rank
+    small = load.model(load.Workload(ranks=16, api_servers=16, step_s=0.04, running=32, output_tokens=256))
+    assert m["scheduler"]["bytes_in_per_step"] > 10 * small["scheduler"]["bytes_in_per_step"]
+    assert m["engine-worker"]["cmds_per_s"] == m["engine-worker"]["cmds_per_step"] / 0.04
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "redis-load"), "--ranks", "32", "--api-servers", "4"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert all(svc in out.stdout for svc in ("engine-worker", "scheduler", "api-server", "total"))
