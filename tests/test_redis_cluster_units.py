@@ -78,6 +78,7 @@ def test_redis_load_model_follows_the_step_protocol():
     path = str(ROOT / "scripts" / "redis-load")
     spec = importlib.util.spec_from_loader("redis_load", SourceFileLoader("redis_load", path))
     load = importlib.util.module_from_spec(spec)
+    sys.modules["redis_load"] = load          # its dataclasses look their module up
     spec.loader.exec_module(load)
     w = load.Workload(ranks=256, api_servers=16, step_s=0.04, running=32, output_tokens=256)
     m = load.model(w)
