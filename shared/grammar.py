@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar")
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class _ByteVocab:
@@ -42,7 +43,12 @@ def grammar(kind: str, text: str) -> str:
     import llguidance
     if kind not in KINDS:
         raise ValueError(f"unknown guide kind {kind!r}")
-    fmt = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}[kind]
+    if kind == "json":
+        # Compact JSON (", " and ": " only, no free whitespace): free whitespace lets a weak
+        # model loop on spaces and newlines until max_tokens; a schema's own "x-guidance"
+        # options still apply over these defaults.
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
+    fmt = {"regex": "regex", "choice": "choice", "grammar": "grammar"}[kind]
     return llguidance.grammar_from(fmt, text)
 
 
