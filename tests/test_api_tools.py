@@ -41,6 +41,8 @@ def test_tool_choice_modes():
     p = _chat({"tools": [WEATHER], "tool_choice": "required"})
     assert p.params.guide == tc.guide[:1] + [p.params.guide[1]] and p.tool_call.mode == "required"
     assert p.prompt_text.startswith("<|tools|>\n") and "get_weather" in p.prompt_text
+    _, one = parse_tools({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
+    assert json.loads(one.guide[1])["maxItems"] == 1 and "maxItems" not in schema
 
 
 @pytest.mark.parametrize("body,param", [
@@ -98,10 +100,11 @@ def exercise_tools(c) -> None:
     assert ch.finish_reason == "stop" and ch.message.content is None
     assert [t.function.name for t in ch.message.tool_calls] == ["get_weather"]
     _check_weather(ch.message.tool_calls[0].function.arguments)
+    # one call (parallel_tool_calls false): bounded, so it finishes whatever the weights
     r = c.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER, TIME], tool_choice="required",
-                                  max_tokens=3000, seed=5)
+                                  max_tokens=3000, seed=5, parallel_tool_calls=False)
     ch = r.choices[0]
-    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
     for t in ch.message.tool_calls:
         assert t.type == "function" and t.id.startswith("chatcmpl-tool-")
         if t.function.name == "get_weather":

@@ -70,7 +70,9 @@ def parse_tools(body: dict) -> tuple[list[dict[str, Any]], ToolCall | None]:
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
                                                    "parameters": t["parameters"]},
                   "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if body.get("parallel_tool_calls") is False:
+            schema["maxItems"] = 1        # one call only (vLLM's reading of it)
         return tools, ToolCall("required", ["json", orjson.dumps(schema).decode()])
     f = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     if not isinstance(f, dict) or not isinstance(f.get("name"), str):
