@@ -17,7 +17,12 @@ from services.engine_worker.sequence import Sequence
 from services.engine_worker.sim_backend import SimBackend, eos_from, sim_logprobs
 from services.engine_worker.step_logprobs import StepLogprobs
 from shared.messages import Delta, SamplingParams
-from shared.tokenizer import EOS
+from shared.tokenizer import EOS, token_text
+
+
+def token_id(name: str) -> int:
+    """The id of a logprobs token name (shared/tokenizer.py token_text)."""
+    return next(t for t in range(260) if token_text(t) == name)
 
 V = 16
 
@@ -199,14 +204,18 @@ def test_live_torch_cluster_controls(tmp_path):
         r = c.completions.create(temperature=0.0, logit_bias={str(EOS): 100}, extra_body={"min_tokens": 5}, **kw)
         assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "stop"   # EOS masked until then
 
-        greedy = c.completions.create(temperature=0.0, extra_body={"ignore_eos": True}, **kw).choices[0].text
-        tok = greedy.encode()[1]
-        r = c.completions.create(temperature=0.0, extra_body={"ignore_eos": True, "stop_token_ids": [tok]}, **kw)
-        cut = greedy.encode().index(tok)
+        # the generated token ids, from logprobs' names (the text may hold a broken character)
+        ids = lambda r: [token_id(t) for t in r.choices[0].logprobs.tokens]  # noqa: E731
+        greedy = ids(c.completions.create(temperature=0.0, logprobs=0, extra_body={"ignore_eos": True}, **kw))
+        tok = greedy[1]
+        cut = greedy.index(tok)
+        r = c.completions.create(temperature=0.0, logprobs=0, extra_body={"ignore_eos": True, "stop_token_ids": [tok]},
+                                 **kw)
         assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == cut + 1
-        r = c.completions.create(temperature=0.0, extra_body={"ignore_eos": True, "stop_token_ids": [tok],
-                                                              "min_tokens": 8}, **kw)
-        assert r.usage.completion_tokens == 8 and tok not in r.choices[0].text.encode()   # masked, never drawn
+        assert ids(r) == greedy[:cut + 1]
+        r = c.completions.create(temperature=0.0, logprobs=0, extra_body={"ignore_eos": True, "stop_token_ids": [tok],
+                                                                          "min_tokens": 8}, **kw)
+        assert r.usage.completion_tokens == 8 and tok not in ids(r)         # masked, never drawn
 
         sampled = [c.completions.create(temperature=1.0, seed=s, extra_body={"ignore_eos": True}, **kw).choices[0].text
                    for s in (7, 7, 8, 9)]
