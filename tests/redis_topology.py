@@ -119,6 +119,9 @@ class LocalCluster:
         replica = self.replica_of(primary_port)
         self.client(replica).execute_command("CLUSTER", "FAILOVER")
         _wait("replica promoted", lambda: self.client(replica).info("replication")["role"] == "master", timeout_s)
+        # The old primary follows the new one (so the shard can fail over again).
+        _wait("old primary turned replica", lambda: int(self.client(primary_port).info("replication")
+                                                          .get("master_port", 0)) == replica, timeout_s)
         _wait("cluster healthy after the failover", self.healthy, timeout_s)
         return replica
 
