@@ -278,3 +278,23 @@ def test_many_and_long_stop_strings_are_served():
         with pytest.raises(ApiError) as err:
             _parse({"prompt": "x", "stop": bad})
         assert err.value.body()["error"]["param"] == "stop"
+
+
+def test_checkpoint_token_names(tmp_path):
+    """Serving a checkpoint, logprobs name tokens by the checkpoint's tokenizer, not by bytes."""
+    from services.api_server.logprobs import CheckpointNames
+    from shared.hf_tokenizer import HFTokenizer
+    from tests.hf_checkpoints import make_tokenizer
+
+    make_tokenizer(tmp_path)
+    tok = HFTokenizer(tmp_path)
+    ids = tok.encode("def add(a, b)", add_special_tokens=False)
+    names = CheckpointNames(tok)
+    cl = CompletionLogprobs(1, names=names)
+    part = cl.part(ids, [[-1.0, [[ids[0], -0.5]]]] * len(ids))
+    assert "".join(part["tokens"]) == "def add(a, b)"
+    assert part["text_offset"][-1] + len(part["tokens"][-1]) == len("def add(a, b)")
+    eos = tok.eos_token_ids[0]
+    assert names.text(eos) == "<|im_end|>" and names.bytes(eos) is None
+    ch = chat_logprobs(ids[:1], [[-1.0, [[ids[0], -1.0]]]], 1, names)
+    assert ch["content"][0]["bytes"] == list(part["tokens"][0].encode())

@@ -20,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 from services.api_server.errors import ApiError, error_response
 from services.api_server.gateway import Gateway, RequestChannel, client_policy
 from services.api_server.choice import feed as _feed, final, prompt_part, text_tokens as _text_tokens
-from services.api_server.logprobs import CompletionLogprobs, chat_logprobs
+from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, names_for
 from services.api_server.multi import run_multi
 from services.api_server.metrics import ApiMetrics
 from services.api_server import hf_text
@@ -378,7 +378,8 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         sent = 0
         finished = False
         want_lp = p.logprobs is not None
-        cl = CompletionLogprobs(p.logprobs or 0) if want_lp and not chat else None
+        names = names_for(p.tok)
+        cl = CompletionLogprobs(p.logprobs or 0, names=names) if want_lp and not chat else None
         echo_due = p.echo        # with logprobs, the prompt's come with the first token: wait for it
         metrics.inflight.inc()
         try:
@@ -414,7 +415,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                     text = _feed(p, dec, stopper, _text_tokens(p, ch, new, sent), sent - len(new))
                     lp = None
                     if want_lp:
-                        lp = chat_logprobs(new, lps, p.logprobs) if chat else cl.part(new, lps)
+                        lp = chat_logprobs(new, lps, p.logprobs, names) if chat else cl.part(new, lps)
                     if text or lp is not None:
                         if trace.ENABLED:
                             trace.mark("sse_first")

@@ -8,7 +8,7 @@ from typing import Any
 
 from services.api_server import tools
 from services.api_server.gateway import RequestChannel
-from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, join
+from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, join, names_for
 from services.api_server.protocol import ParsedRequest
 from shared.stop import TextStopper
 from shared.tokenizer import StreamDecoder
@@ -57,14 +57,14 @@ def final(p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], p
     text = feed(p, dec, stopper, text_tokens(p, ch, tokens), 0) + stopper.feed(dec.flush()) + stopper.finish()
     finish = "stop" if stopper.stopped else ch.finish
     if p.kind == "chat":
-        lp = chat_logprobs(tokens, ch.logprobs, p.logprobs) if p.logprobs is not None else None
+        lp = chat_logprobs(tokens, ch.logprobs, p.logprobs, names_for(p.tok)) if p.logprobs is not None else None
         msg: dict[str, Any] = {"role": "assistant", "content": text}
         if p.tool_call is not None:
             msg, finish = tools.message(p.tool_call, text, finish)
         return {"index": index, "message": msg, "logprobs": lp, "finish_reason": finish}
     lp = None
     if p.logprobs is not None:
-        cl = CompletionLogprobs(p.logprobs)
+        cl = CompletionLogprobs(p.logprobs, names=names_for(p.tok))
         parts = [prompt_part(prompt, ch, cl)] if p.echo else []
         parts.append(cl.part(tokens, ch.logprobs))
         lp = join(parts)
@@ -82,7 +82,8 @@ class StreamChoice:
         self.prompt, self.prompt_text = prompt, prompt_text
         self.dec, self.stopper = p.decoder(), TextStopper(p.params.stop)
         self.want_lp = p.logprobs is not None
-        self.cl = CompletionLogprobs(p.logprobs or 0) if self.want_lp and p.kind != "chat" else None
+        self.names = names_for(p.tok)
+        self.cl = CompletionLogprobs(p.logprobs or 0, names=self.names) if self.want_lp and p.kind != "chat" else None
         self.sent = 0
         self.done = False
         self.started = False     # chat's role delta / completion's echo sent
@@ -119,7 +120,7 @@ class StreamChoice:
             text = feed(p, self.dec, self.stopper, text_tokens(p, ch, new, self.sent), self.sent - len(new))
             lp = None
             if self.want_lp:
-                lp = chat_logprobs(new, lps, p.logprobs) if p.kind == "chat" else self.cl.part(new, lps)
+                lp = chat_logprobs(new, lps, p.logprobs, self.names) if p.kind == "chat" else self.cl.part(new, lps)
             if self.held is not None:
                 self.held.append(text)
             elif text or lp is not None:

@@ -14,6 +14,42 @@ from shared.tokenizer import token_bytes, token_text
 FLOOR = -9999.0
 
 
+class ByteNames:
+    """Token names of the byte-level model (shared/tokenizer.py)."""
+
+    text = staticmethod(token_text)
+    bytes = staticmethod(token_bytes)
+
+    @staticmethod
+    def offsets(tokens: list[int], start: int) -> tuple[list[int], int]:
+        return _char_starts(tokens, start)
+
+
+class CheckpointNames:
+    """Token names of a served checkpoint's tokenizer (shared/hf_tokenizer.py): the token's
+    own text as vLLM shows it, its vocabulary entry when it decodes to nothing (a special)."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+
+    def text(self, t: int) -> str:
+        return self.tok.decode([t]) or self.tok.token_str(t)
+
+    def bytes(self, t: int) -> list[int] | None:
+        return list(self.text(t).encode()) if not self.tok.is_special(t) else None
+
+    def offsets(self, tokens: list[int], start: int) -> tuple[list[int], int]:
+        out, n = [], start
+        for t in tokens:
+            out.append(n)
+            n += len(self.tok.decode([t]))
+        return out, n
+
+
+def names_for(tok: Any) -> Any:
+    return ByteNames if tok is None else CheckpointNames(tok)
+
+
 def _lp(v: float | None) -> float | None:
     if v is None:
         return None
@@ -36,13 +72,15 @@ class CompletionLogprobs:
     text_offset), token by token, so a stream can send each piece as it comes. The
     sampled token is always in its top_logprobs dict (vLLM's shape)."""
 
-    def __init__(self, k: int, offset: int = 0) -> None:
+    def __init__(self, k: int, offset: int = 0, names: Any = ByteNames) -> None:
         self.k = k
         self.offset = offset      # text offset of the next token
+        self.names = names
 
     def part(self, tokens: list[int], entries: list[Any] | None, first_is_none: bool = False) -> dict[str, Any]:
         entries = entries if entries is not None else [None] * len(tokens)
-        offs, self.offset = _char_starts(tokens, self.offset)
+        name = self.names.text
+        offs, self.offset = self.names.offsets(tokens, self.offset)
         lps: list[float | None] = []
         tops: list[dict[str, float] | None] = []
         for i, (t, e) in enumerate(zip(tokens, entries)):
@@ -51,10 +89,10 @@ class CompletionLogprobs:
                 tops.append(None)
                 continue
             lps.append(_lp(e[0]))
-            top = {token_text(i_): _lp(v) for i_, v in e[1][:self.k]}
-            top.setdefault(token_text(t), _lp(e[0]))
+            top = {name(i_): _lp(v) for i_, v in e[1][:self.k]}
+            top.setdefault(name(t), _lp(e[0]))
             tops.append(top)
-        return {"tokens": [token_text(t) for t in tokens], "token_logprobs": lps, "top_logprobs": tops,
+        return {"tokens": [name(t) for t in tokens], "token_logprobs": lps, "top_logprobs": tops,
                 "text_offset": offs}
 
 
@@ -66,16 +104,16 @@ def join(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _item(t: int, v: float | None) -> dict[str, Any]:
-    return {"token": token_text(t), "logprob": _lp(v) if v is not None else FLOOR, "bytes": token_bytes(t)}
+def _item(t: int, v: float | None, names: Any) -> dict[str, Any]:
+    return {"token": names.text(t), "logprob": _lp(v) if v is not None else FLOOR, "bytes": names.bytes(t)}
 
 
-def chat_logprobs(tokens: list[int], entries: list[Any] | None, k: int) -> dict[str, Any]:
+def chat_logprobs(tokens: list[int], entries: list[Any] | None, k: int, names: Any = ByteNames) -> dict[str, Any]:
     """/v1/chat/completions' ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     entries = entries if entries is not None else [None] * len(tokens)
     content = []
     for t, e in zip(tokens, entries):
-        item = _item(t, e[0] if e is not None else None)
-        item["top_logprobs"] = [_item(i, v) for i, v in e[1][:k]] if e is not None else []
+        item = _item(t, e[0] if e is not None else None, names)
+        item["top_logprobs"] = [_item(i, v, names) for i, v in e[1][:k]] if e is not None else []
         content.append(item)
     return {"content": content}
