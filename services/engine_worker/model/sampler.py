@@ -79,18 +79,21 @@ def _bias(row: torch.Tensor, e: RowExtra) -> torch.Tensor:
     ids = [t for t in e.suppress if 0 <= t < V]
     if ids:
         row[torch.tensor(ids, device=row.device)] = float("-inf")
-    if e.allowed is not None:
-        row[~allowed_tokens(e.allowed, V).to(row.device)] = float("-inf")
     return row
 
 
 def allowed_tokens(mask: bytes, V: int) -> torch.Tensor:
     """A grammar's bitmask (bit i of byte i // 8) as V booleans; ids past the mask are not allowed."""
-    b = torch.frombuffer(bytearray(mask), dtype=torch.uint8)
-    bits = ((b[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten().bool()
-    out = torch.zeros(V, dtype=torch.bool)
-    n = min(V, bits.numel())
-    out[:n] = bits[:n]
+    return allowed_rows([mask], V)[0]
+
+
+def allowed_rows(masks: list[bytes], V: int) -> torch.Tensor:
+    """Several rows' bitmasks (of one length) as a [rows, V] bool tensor, in one unpacking."""
+    b = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.uint8).view(len(masks), -1)
+    bits = ((b[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten(1).bool()
+    out = torch.zeros(len(masks), V, dtype=torch.bool)
+    n = min(V, bits.shape[1])
+    out[:, :n] = bits[:, :n]
     return out
 
 
@@ -124,11 +127,15 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
         raise ValueError("sample() needs one extra (or None) per row")
     if extras is not None and any(e is not None and e.edits_logits for e in extras):
         logits = logits.double().clone()
+        guided = [i for i, e in enumerate(extras) if e is not None and e.allowed is not None]
+        if guided:   # grammar masks of all guided rows at once (structured output)
+            ok = allowed_rows([extras[i].allowed for i in guided], V).to(logits.device)
+            logits[guided] = logits[guided].masked_fill(~ok, float("-inf"))
         for i, e in enumerate(extras):
-            if e is not None and e.edits_logits:
+            if e is not None and (e.logit_bias or e.suppress):
                 logits[i] = _bias(logits[i], e)
-                if e.penalized:
-                    logits[i] = _penalize(logits[i], e)
+            if e is not None and e.penalized:
+                logits[i] = _penalize(logits[i], e)
     out = logits.argmax(dim=-1).tolist() if B else []
     rows = [i for i in range(B) if temperatures[i] > 0]
     if not rows:
