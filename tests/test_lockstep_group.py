@@ -111,3 +111,13 @@ def test_every_survivor_learns_of_a_dead_rank_at_once():
                 p.kill()
     assert set(broken) == {0, 1, 3}
     assert max(broken.values()) < 10, broken    # the timeout would be 60 s
+
+
+def test_each_rank_gets_its_own_gpu_and_cpu_stays_cpu():
+    import pytest
+
+    from services.engine_worker.lockstep import cuda_index, rank_device
+    assert [cuda_index(r, 4) for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert rank_device("cpu", 5) == "cpu"
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        cuda_index(0, 0)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from services.engine_worker.step_view import FIELDS, Action, StepView
 
 # The row layout and the decision are pure (step_view); Action stays importable from here.
-__all__ = ["FIELDS", "Action", "StepView", "GroupBroken", "collective", "LockstepGroup"]
+__all__ = ["FIELDS", "Action", "StepView", "GroupBroken", "collective", "LockstepGroup", "rank_device", "cuda_index"]
 
 
 class GroupBroken(RuntimeError):
@@ -44,13 +44,30 @@ def collective(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     raise GroupBroken(error)
 
 
+def cuda_index(rank: int, device_count: int) -> int:
+    """The GPU a rank runs on: ranks are numbered contiguously per host (``lockstep up``
+    starts ranks 0..N-1 on one machine), so rank modulo the host's GPUs."""
+    if device_count < 1:
+        raise RuntimeError("--device cuda but no CUDA device is visible (check CUDA_VISIBLE_DEVICES)")
+    return rank % device_count
+
+
+def rank_device(device: str, rank: int) -> str:
+    """``device`` for this rank: "cpu", or "cuda:<i>" with that GPU made current (NCCL and
+    every tensor created on plain "cuda" then use it, not all on GPU 0)."""
+    if device != "cuda":
+        return device
+    i = cuda_index(rank, torch.cuda.device_count())
+    torch.cuda.set_device(i)
+    return f"cuda:{i}"
+
+
 class LockstepGroup:
     """The engine group's step collective over torch.distributed (gloo or NCCL)."""
 
     def __init__(self, rank: int, world_size: int, device: str = "cpu") -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
-        self._buf = torch.zeros((world_size, FIELDS), dtype=torch.int64,
-                                device="cuda" if device == "cuda" else "cpu")
+        self._buf = torch.zeros((world_size, FIELDS), dtype=torch.int64, device=rank_device(device, rank))
 
     @staticmethod
     def init(rank: int, world_size: int, addr: str, port: int, timeout_s: float, device: str = "cpu") -> "LockstepGroup":
@@ -61,6 +78,7 @@ class LockstepGroup:
             # every later group one above its peers, and both sides waited for keys the
             # other never wrote, forever. Every formation starts from 0, as every peer does.
             dist.distributed_c10d._world.group_count = 0
+            rank_device(device, rank)   # NCCL binds the current GPU
             dist.init_process_group(
                 backend="nccl" if device == "cuda" else "gloo",
                 init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,

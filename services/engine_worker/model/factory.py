@@ -42,13 +42,16 @@ def make_runner(settings: Any, rank: int) -> Any:
     from services.engine_worker.model.config import MoEConfig
     from services.engine_worker.model.runner import TorchModelRunner
 
+    from services.engine_worker.lockstep import rank_device
+
     s = settings
+    device = rank_device(s.device, rank)   # cuda: this rank's own GPU
     if not is_checkpoint(s.model):
         if s.model != "random" and (BUNDLED_DIR / "model.safetensors").is_file():
             # byte tokens: stop strings and EOS stay the byte tokenizer's (no use_vocabulary)
             return TorchModelRunner.from_pretrained(str(BUNDLED_DIR), rank, s.ranks, s.num_kv_blocks, s.block_size,
-                                                    device=s.device, dtype=torch.float32)
-        return TorchModelRunner(MoEConfig(seed=s.seed), rank, s.ranks, s.num_kv_blocks, s.block_size, device=s.device)
+                                                    device=device, dtype=torch.float32)
+        return TorchModelRunner(MoEConfig(seed=s.seed), rank, s.ranks, s.num_kv_blocks, s.block_size, device=device)
     from shared.hf_tokenizer import HFTokenizer, token_bytes_table
     from shared.stop import use_vocabulary
 
@@ -58,6 +61,6 @@ def make_runner(settings: Any, rank: int) -> Any:
     if s.dtype not in dtypes:
         raise ValueError(f"dtype must be auto, bfloat16 or float32, not {s.dtype!r}")
     runner = TorchModelRunner.from_pretrained(s.model, rank, s.ranks, s.num_kv_blocks, s.block_size,
-                                              device=s.device, dtype=dtypes[s.dtype])
+                                              device=device, dtype=dtypes[s.dtype])
     use_vocabulary(token_bytes_table(HFTokenizer(s.model)))
     return runner
