@@ -127,7 +127,7 @@ def test_completion_logprobs_exact(client):
     toks = list(text.encode())
     assert lp.tokens == [token_text(t) for t in toks] and r.usage.completion_tokens == len(toks)
     for i, t in enumerate(toks):
-        want, top = _sim_token_lp(prompt, i, 2, t)
+        want, top, _ = _sim_token_lp(prompt, i, 2, t)
         assert math.isclose(lp.token_logprobs[i], want, rel_tol=1e-9)
         assert lp.top_logprobs[i] == {token_text(a): pytest.approx(v) for a, v in top}
     # the seed changes the text but not the sim's logprob rule: the top token is the sampled one
@@ -150,7 +150,7 @@ def test_echo_loglikelihood_as_lm_eval_asks(client):
         assert len(lp.token_logprobs) == len(prompt) + n_out and lp.token_logprobs[0] is None
         assert lp.top_logprobs[0] is None
         for q in range(1, len(prompt)):
-            want, top = _sim_prompt_lp(prompt, q, 1)
+            want, top, _ = _sim_prompt_lp(prompt, q, 1)
             assert math.isclose(lp.token_logprobs[q], want, rel_tol=1e-9)
             assert lp.top_logprobs[q][token_text(top[0][0])] == pytest.approx(top[0][1])
             assert token_text(prompt[q]) in lp.top_logprobs[q]
@@ -189,7 +189,7 @@ def test_chat_logprobs_and_top_logprobs(client):
     toks = list(r.choices[0].message.content.encode())
     assert [c.bytes for c in content] == [[t] for t in toks]
     for i, (c, t) in enumerate(zip(content, toks)):
-        want, top = _sim_token_lp(prompt, i, 3, t)
+        want, top, _ = _sim_token_lp(prompt, i, 3, t)
         assert c.logprob == pytest.approx(want) and len(c.top_logprobs) == 3
         assert [(x.token, x.logprob) for x in c.top_logprobs] == [(token_text(a), pytest.approx(v)) for a, v in top]
     streamed = []
@@ -298,3 +298,29 @@ def test_checkpoint_token_names(tmp_path):
     assert names.text(eos) == "<|im_end|>" and names.bytes(eos) is None
     ch = chat_logprobs(ids[:1], [[-1.0, [[ids[0], -1.0]]]], 1, names)
     assert ch["content"][0]["bytes"] == list(part["tokens"][0].encode())
+
+
+@pytest.mark.slow
+def test_vllm_prompt_logprobs(client):
+    """vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}}, the first None;
+    on the choice for completions, on the response for chat; not streamable."""
+    text = "prompt lp"
+    prompt = encode(text)
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=2, extra_body={"prompt_logprobs": 2})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(prompt)
+    for q in range(1, len(prompt)):
+        want, top, rank = _sim_prompt_lp(prompt, q, 2)
+        got = plp[q]
+        assert got[str(prompt[q])] == {"logprob": pytest.approx(want), "rank": rank,
+                                       "decoded_token": token_text(prompt[q])}
+        for r_, (i, v) in enumerate(top):
+            assert got[str(i)]["rank"] == r_ + 1 and got[str(i)]["logprob"] == pytest.approx(v)
+    msgs = [{"role": "user", "content": "x"}]
+    c = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    plp = c.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(encode(chat_template(msgs)))
+    assert all(len(d) == 1 for d in plp[1:])                 # k 0: the prompt token alone
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=text, stream=True, extra_body={"prompt_logprobs": 1})
+    assert err.value.response.json()["error"]["param"] == "prompt_logprobs"

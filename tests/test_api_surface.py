@@ -113,7 +113,7 @@ NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty"
            "include_stop_str_in_output": False, "skip_special_tokens": True}
 
 REFUSED_BOTH = [("include_stop_str_in_output", True), ("bad_words", ["x"]),
-                ("skip_special_tokens", False), ("prompt_logprobs", 1)]
+                ("skip_special_tokens", False)]
 REFUSED_COMPLETION = [("suffix", "tail")]
 REFUSED_CHAT = [("functions", [{"name": "f"}]), ("function_call", "auto"), ("store", True),
                 ("modalities", ["audio"])]

@@ -51,8 +51,9 @@ def test_logprobs_match_log_softmax_and_are_sorted():
     toks = [0, 5, 9]
     got = logprobs(logits, toks, [3, 0, 1])
     ref = torch.log_softmax(logits, -1)
-    for r, (lp, top) in enumerate(got):
+    for r, (lp, top, rank) in enumerate(got):
         assert math.isclose(lp, float(ref[r, toks[r]]), rel_tol=1e-5)
+        assert rank == 1 + int((ref[r] > ref[r, toks[r]]).sum())
         assert len(top) == [3, 0, 1][r]
         assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
         if top:
@@ -128,14 +129,14 @@ def test_sim_min_tokens_and_ignore_eos():
 
 def test_sim_logprobs_are_plausible_and_deterministic():
     for h in range(50):
-        lp, top = sim_logprobs(h, 65, 5, top=65)
-        assert top[0] == [65, lp] and len(top) == 5
+        lp, top, rank = sim_logprobs(h, 65, 5, top=65)
+        assert top[0] == [65, lp] and len(top) == 5 and rank == 1
         vals = [v for _, v in top]
         assert vals == sorted(vals, reverse=True) and all(v < 0 for v in vals)
         assert sum(math.exp(v) for v in vals) <= 1.0
-        assert sim_logprobs(h, 65, 5, top=65) == [lp, top]
-        other, _ = sim_logprobs(h, 66, 0, top=65)
-        assert other < lp
+        assert sim_logprobs(h, 65, 5, top=65) == [lp, top, 1]
+        other, _, other_rank = sim_logprobs(h, 66, 0, top=65)
+        assert other < lp and other_rank > 1
 
 
 def test_step_logprobs_ship_prompt_entries_once():
@@ -173,7 +174,7 @@ def test_torch_runner_logprobs_come_from_the_sampling_logits():
     assert p1["s"][0] == 1 and len(p1["s"][1]) == 5 and p2["s"][0] == 6 and len(p2["s"][1]) == len(prompt) - 6
     tok = t2["s"]
     assert tok == int(full.argmax())
-    lp, top = l2["s"]
+    lp, top, rank = l2["s"]
     assert math.isclose(lp, float(torch.log_softmax(full, -1)[tok]), rel_tol=1e-4, abs_tol=1e-5)
     assert top[0][0] == tok and len(top) == 2
     for e in p1["s"][1] + p2["s"][1]:

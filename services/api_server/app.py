@@ -334,8 +334,11 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         _observe(ch, t0, len(ch.tokens))
         choice = final(p, ch, 0, p.prompt, p.prompt_text)
         if p.kind == "chat":
-            return _json({"id": rid, "object": "chat.completion", "created": created, "model": p.model,
-                          "choices": [choice], "usage": _usage(p, ch), "system_fingerprint": None})
+            body = {"id": rid, "object": "chat.completion", "created": created, "model": p.model,
+                    "choices": [choice], "usage": _usage(p, ch), "system_fingerprint": None}
+            if "prompt_logprobs" in choice:          # vLLM puts chat's on the response
+                body["prompt_logprobs"] = choice.pop("prompt_logprobs")
+            return _json(body)
         return _json({"id": rid, "object": "text_completion", "created": created, "model": p.model,
                       "choices": [choice], "usage": _usage(p, ch)})
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from services.api_server import tools
 from services.api_server.gateway import RequestChannel
-from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, join, names_for
+from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, join, names_for, prompt_logprobs
 from services.api_server.protocol import ParsedRequest
 from shared.stop import TextStopper
 from shared.tokenizer import StreamDecoder
@@ -61,7 +61,11 @@ def final(p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], p
         msg: dict[str, Any] = {"role": "assistant", "content": text}
         if p.tool_call is not None:
             msg, finish = tools.message(p.tool_call, text, finish)
-        return {"index": index, "message": msg, "logprobs": lp, "finish_reason": finish}
+        out_c: dict[str, Any] = {"index": index, "message": msg, "logprobs": lp, "finish_reason": finish}
+        if p.prompt_logprobs is not None:
+            out_c["prompt_logprobs"] = prompt_logprobs(prompt, ch.prompt_lp or [], p.prompt_logprobs,
+                                                       names_for(p.tok))
+        return out_c
     lp = None
     if p.logprobs is not None:
         cl = CompletionLogprobs(p.logprobs, names=names_for(p.tok))
@@ -70,7 +74,10 @@ def final(p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], p
         lp = join(parts)
     if p.echo:
         text = prompt_text + text
-    return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+    out = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+    if p.prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs(prompt, ch.prompt_lp or [], p.prompt_logprobs, names_for(p.tok))
+    return out
 
 
 class StreamChoice:

@@ -96,6 +96,23 @@ class CompletionLogprobs:
                 "text_offset": offs}
 
 
+def prompt_logprobs(prompt: list[int], entries: list[Any], k: int, names: Any = ByteNames) -> list[Any]:
+    """vLLM's ``prompt_logprobs``: None for the first token, then per prompt token
+    {"<id>": {"logprob", "rank", "decoded_token"}} of the k most likely and the token itself."""
+    out: list[Any] = [None]
+    for q in range(1, len(prompt)):
+        e = entries[q - 1] if q - 1 < len(entries) else None
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(i): {"logprob": _lp(v), "rank": r + 1, "decoded_token": names.text(i)}
+             for r, (i, v) in enumerate(e[1][:k])}
+        d.setdefault(str(prompt[q]), {"logprob": _lp(e[0]), "rank": e[2] if len(e) > 2 else None,
+                                      "decoded_token": names.text(prompt[q])})
+        out.append(d)
+    return out
+
+
 def join(parts: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for p in parts:

@@ -173,6 +173,10 @@ async def _complete(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway
                             "usage": usage(p, chosen, subs)}
     if p.kind == "chat":
         body["system_fingerprint"] = None
+        if p.prompt_logprobs is not None:         # vLLM puts chat's on the response (one prompt)
+            body["prompt_logprobs"] = choices[0].get("prompt_logprobs")
+            for c in choices:
+                c.pop("prompt_logprobs", None)
     return Response(orjson.dumps(body), media_type="application/json")
 
 

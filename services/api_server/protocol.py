@@ -34,7 +34,6 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "bad_words": (([],), {"type": "array", "maxItems": 0}),
     "include_stop_str_in_output": ((False,), {"type": "boolean", "enum": [False]}),
     "skip_special_tokens": ((True,), {"type": "boolean", "enum": [True]}),
-    "prompt_logprobs": ((), {"type": "null"}),
 }
 _NEUTRAL_COMPLETION: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     **_NEUTRAL,
@@ -90,6 +89,8 @@ _COMMON: dict[str, Any] = {
                                           "regex": {"type": "string"},
                                           "choice": {"type": "array", "items": {"type": "string"}, "minItems": 1},
                                           "grammar": {"type": "string"}, "json_object": {"type": "boolean"}}},
+    "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                        "description": "vLLM's: each prompt token's logprob and the top k (not with stream)"},
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
     "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
                 "description": "candidates per prompt (>= n), the n with the highest cumulative logprob are returned"},
@@ -176,6 +177,7 @@ class ParsedRequest:
     best_of_lp: bool = False       # logprobs asked only to rank best_of candidates: not shown
     tool_call: Any = None          # tools.ToolCall: the output is tool calls (chat)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    prompt_logprobs: int | None = None   # vLLM's prompt_logprobs: top k per prompt token
 
     @property
     def multi(self) -> bool:
@@ -507,6 +509,11 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
     params.logprobs = lp
     if echo and lp is not None:
         params.prompt_logprobs = lp
+    plp = _num(body, "prompt_logprobs", int, None, lo=0, hi=MAX_LOGPROBS)
+    if plp is not None:
+        if _bool(body, "stream", False):
+            raise ApiError(400, "'prompt_logprobs' cannot be streamed", param="prompt_logprobs")
+        params.prompt_logprobs = max(plp, params.prompt_logprobs or 0)
     vocab = VOCAB_SIZE if tok is None else tok.vocab_size
     params.logit_bias = _logit_bias(body, vocab)
     params.stop_token_ids = _stop_token_ids(body, vocab)
@@ -568,7 +575,7 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
                          include_usage=include_usage, rank=rank, echo=echo, prompt_text=text,
                          ignored=tuple(unknown_fields(body, kind)), logprobs=lp, drop_output=drop_output,
                          prompts=prompts, n=n, best_of=best_of, best_of_lp=best_of_lp, tool_call=tool_call,
-                         continuous_usage=continuous_usage, tok=tok)
+                         continuous_usage=continuous_usage, prompt_logprobs=plp, tok=tok)
 
 
 # --- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------

@@ -62,7 +62,7 @@ def _prompt_key(prompt: list[int]) -> int:
 
 
 def sim_logprobs(h: int, token: int, k: int, top: int | None = None) -> list:
-    """A made-up distribution keyed by ``h``: [logprob of ``token``, [[id, logprob], ...k best]].
+    """A made-up distribution keyed by ``h``: [logprob of ``token``, [[id, logprob], ...k best], rank].
     ``top`` is the most likely token (default: a byte derived from ``h``)."""
     h = _mix(h, 0x51)
     top = (h >> 8) % 256 if top is None else top
@@ -72,11 +72,9 @@ def sim_logprobs(h: int, token: int, k: int, top: int | None = None) -> list:
         [((h >> 12) + i * step) % 256 for i in range(256)]
     lp0, lr = math.log(p0), math.log1p(-p0)
     ranked = [(top, lp0)] + [(t, lr - (i + 1) * math.log(2)) for i, t in enumerate(rest)]
-    if token == top:
-        mine = lp0
-    else:
-        mine = next((v for t, v in ranked if t == token), lr - 300 * math.log(2))   # a special token
-    return [mine, [[t, v] for t, v in ranked[:k]]]
+    rank = next((i + 1 for i, (t, _) in enumerate(ranked) if t == token), len(ranked) + 1)
+    mine = ranked[rank - 1][1] if rank <= len(ranked) else lr - 300 * math.log(2)   # a special token
+    return [mine, [[t, v] for t, v in ranked[:k]], rank]
 
 
 class SimBackend:

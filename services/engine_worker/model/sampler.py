@@ -181,18 +181,22 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
 
 def logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[list]:
     """logits [B, V], the token each row sampled and how many top alternatives it wants ->
-    per row ``[logprob of the token, [[id, logprob], ...k most likely, best first]]``
-    (log-softmax in float32 of the raw logits; ties: lower id first)."""
+    per row ``[logprob of the token, [[id, logprob], ...k most likely, best first], rank]``
+    (log-softmax in float32 of the raw logits; ties: lower id first; rank: 1 + the tokens
+    strictly more likely)."""
     B, V = logits.shape
     if not (len(tokens) == len(ks) == B):
         raise ValueError("logprobs() needs one token and one k per row")
     if not B:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1).tolist()
+    picked = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])
+    ranks = ((lp > picked).sum(-1) + 1).tolist()
+    chosen = picked.squeeze(1).tolist()
     kmax = min(max(ks), V)
     if kmax <= 0:
-        return [[c, []] for c in chosen]
+        return [[c, [], k] for c, k in zip(chosen, ranks)]
     top_lp, top_id = lp.sort(dim=-1, descending=True, stable=True)
     top_lp, top_id = top_lp[:, :kmax].tolist(), top_id[:, :kmax].tolist()
-    return [[c, [[i, v] for i, v in zip(top_id[r][:ks[r]], top_lp[r][:ks[r]])]] for r, c in enumerate(chosen)]
+    return [[c, [[i, v] for i, v in zip(top_id[r][:ks[r]], top_lp[r][:ks[r]])], ranks[r]]
+            for r, c in enumerate(chosen)]
