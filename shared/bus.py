@@ -81,10 +81,11 @@ def connect(url: str, *, timeout_s: float | None = None, connect_timeout_s: floa
                             max_connections=max_connections, **common)
     from redis.asyncio.sentinel import Sentinel
 
-    from shared.sentinel_client import AsyncSentinelRedis
+    from shared.sentinel_client import AsyncSentinelRedis, FollowingPool
     sentinel = Sentinel(list(target.nodes), sentinel_kwargs={"socket_connect_timeout": connect_timeout_s,
                                                              "socket_timeout": connect_timeout_s})
-    return sentinel.master_for(target.service, redis_class=AsyncSentinelRedis, db=target.db,
+    return sentinel.master_for(target.service, redis_class=AsyncSentinelRedis, connection_pool_class=FollowingPool,
+                               db=target.db,
                                username=target.username, password=target.password, ssl=target.tls,
                                max_connections=max_connections, **common).follow(sentinel, target.service)
 
