@@ -236,6 +236,8 @@ class Injector:
         """Inject one fault; returns '' or why it was skipped."""
         import redis
 
+        from shared.bus import connect_sync
+
         if f.kind == "api":
             procs = [c.proc for c in list(self.c.children) if c.role == f"api-{f.target}" and c.proc.poll() is None]
             if not procs:
@@ -244,7 +246,7 @@ class Injector:
             return ""
         if f.kind == "redis":
             return self._restart_redis()
-        r = redis.Redis.from_url(self.c.url, socket_timeout=2, socket_connect_timeout=2)
+        r = connect_sync(self.c.url, timeout_s=2, connect_timeout_s=2)
         try:
             if f.kind == "scheduler":
                 pid, sig = r.hget(self.keys.scheduler, "pid"), signal.SIGKILL

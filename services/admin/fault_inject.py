@@ -16,6 +16,7 @@ from typing import Callable
 
 import redis
 
+from shared.bus import connect_sync
 from shared.keys import Keys
 from shared.messages import FIELD, loads
 
@@ -26,7 +27,7 @@ def kill_rank_mid_decode(redis_url: str, namespace: str, rank: int, pid: int, mi
     least ``min_running`` requests running, a fifth or more of their ``max_tokens`` out on
     average and a tenth or more still to come. Returns the time of the kill (``time.time()``),
     or None if that point did not come within ``timeout`` seconds."""
-    r = redis.Redis.from_url(redis_url)
+    r = connect_sync(redis_url)   # any URL form (shared/bus.py)
     stream, last = Keys(namespace).stats, "$"
     deadline = time.monotonic() + timeout
     try:

@@ -108,10 +108,10 @@ async def calibrate(redis_url: str, samples: int = 200) -> dict[str, float]:
     """What one hop costs on this host, for reading the figures above elsewhere: a Redis
     round trip (PING, back to back) and the wake-up of a reader blocked in XREAD by an
     XADD from another connection after an idle gap (what every hop of the path pays)."""
-    import redis.asyncio as aioredis
+    from shared.bus import connect
 
-    r = aioredis.Redis.from_url(redis_url)
-    reader_conn = aioredis.Redis.from_url(redis_url)
+    r = connect(redis_url)
+    reader_conn = connect(redis_url)
     key = f"lockstep:calibrate:{time.time_ns()}"
     try:
         pings = []

@@ -40,6 +40,7 @@ import httpx
 import orjson
 import redis.asyncio as aioredis
 
+from shared.bus import connect
 from shared.keys import Keys
 from shared.measures import balance_ratio, idle_forward_fraction
 from shared.messages import FIELD
@@ -114,7 +115,7 @@ async def _mark(r: aioredis.Redis, keys: Keys) -> bytes:
 async def drive(url: str, redis_url: str, namespace: str, ranks: int, concurrency: int, max_tokens: int,
                 warmup_s: float, duration_s: float) -> tuple[list[dict[str, Any]], dict[str, int]]:
     keys = Keys(namespace)
-    r = aioredis.Redis.from_url(redis_url)
+    r = connect(redis_url)
     stop = asyncio.Event()
     done = [0, 0]
     load = asyncio.create_task(_load(url, ranks, concurrency, max_tokens, stop, done))
