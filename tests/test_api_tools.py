@@ -138,3 +138,15 @@ def test_tools_live_sim(sim_cluster):
     r = c.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=4)
     assert r.choices[0].message.content is not None and r.usage.prompt_tokens > 60
     c.close()
+
+
+@pytest.mark.slow
+def test_tokenize_counts_the_tools_as_chat_bills_them(sim_cluster):
+    import httpx
+    import openai
+
+    root = sim_cluster.api_url.rsplit("/v1", 1)[0]
+    n = httpx.post(root + "/tokenize", json={"messages": MSGS, "tools": [WEATHER]}, timeout=10).json()["count"]
+    with openai.OpenAI(base_url=sim_cluster.api_url, api_key="unused", max_retries=0, timeout=30) as c:
+        r = c.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], tool_choice="none", max_tokens=1)
+    assert r.usage.prompt_tokens == n

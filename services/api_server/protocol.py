@@ -590,6 +590,7 @@ TOKENIZE_SCHEMA: dict[str, Any] = {
         "add_generation_prompt": {"type": "boolean"},
         "add_special_tokens": {"type": "boolean"},
         "return_token_strs": {"type": "boolean"},
+        "tools": {"type": "array", "description": "as in chat completions: counted as the prompt shows them"},
     },
 }
 DETOKENIZE_SCHEMA: dict[str, Any] = {
@@ -634,7 +635,8 @@ def parse_tokenize(body: Any, served_model: str, tok: Any = None) -> tuple[list[
         return (encode(body["prompt"]) if tok is None else tok.encode(body["prompt"])), strs
     if tok is not None:
         return hf_text.chat_prompt(tok, _messages(body), _bool(body, "add_generation_prompt", True))[1], strs
-    text = chat_template(_messages(body), _bool(body, "add_generation_prompt", True))
+    # tools are shown in the prompt as a chat completion shows them, so the count is the same
+    text = tools.tools_block(tools._tools(body)) + chat_template(_messages(body), _bool(body, "add_generation_prompt", True))
     return encode(text), strs
 
 
