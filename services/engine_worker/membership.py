@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from services.engine_worker.api_liveness import ApiLiveness
 from services.engine_worker.lockstep import GroupBroken, LockstepGroup
 from shared import keys as K
 from shared import lease
@@ -196,7 +197,9 @@ class GroupMembership:
 
     async def _watch_api_servers(self) -> None:
         """Whose requests run here: an api-server that stopped beating has no reader for
-        their tokens, so they are aborted instead of running to the end."""
+        their tokens, so they are aborted instead of running to the end (after a grace
+        that outlasts a Redis failover: api_liveness.py)."""
+        liveness = ApiLiveness(grace_s=max(5.0, 5 * self.s.heartbeat_ms / 1000))
         while True:
             apis = sorted({q.api for q in (*self.core.running, *self.core.waiting)})
             if apis:
@@ -205,7 +208,7 @@ class GroupMembership:
                     for api in apis:
                         pipe.exists(self.keys.api_alive(api))
                     res = await pipe.execute()
-                    dead = {api for api, alive in zip(apis, res) if not alive}
+                    dead = liveness.observe(time.monotonic(), {api: bool(alive) for api, alive in zip(apis, res)})
                     if dead:
                         self._abort_owned_by(dead)
                 except Exception as exc:  # noqa: BLE001 - checked again next beat

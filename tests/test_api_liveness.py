@@ -1,0 +1,26 @@
+"""api_liveness: an api-server's requests are aborted only once its alive key stayed gone."""
+
+from services.engine_worker.api_liveness import ApiLiveness
+
+
+def test_a_key_that_lapses_during_a_redis_failover_and_comes_back_aborts_nothing():
+    lv = ApiLiveness(grace_s=5.0)
+    assert lv.observe(0.0, {"a": True}) == set()
+    assert lv.observe(1.0, {"a": False}) == set()     # the failover outlived the 3 s TTL
+    assert lv.observe(3.0, {"a": False}) == set()
+    assert lv.observe(4.0, {"a": True}) == set()      # it beat again: forgiven
+    assert lv.observe(8.0, {"a": False}) == set()     # a new absence starts a new grace
+    assert lv.observe(12.0, {"a": False}) == set()
+
+
+def test_a_key_gone_for_the_whole_grace_is_dead():
+    lv = ApiLiveness(grace_s=5.0)
+    assert lv.observe(0.0, {"a": False, "b": True}) == set()
+    assert lv.observe(5.0, {"a": False, "b": True}) == {"a"}
+
+
+def test_an_api_server_with_no_requests_left_is_forgotten():
+    lv = ApiLiveness(grace_s=5.0)
+    lv.observe(0.0, {"a": False})
+    lv.observe(1.0, {})                               # its requests finished here
+    assert lv.observe(6.0, {"a": False}) == set()     # a new request of it: a new grace
