@@ -13,7 +13,7 @@ Pure parsing; shared/bus.py builds the client. Accepted forms (TLS with ``rediss
 from __future__ import annotations
 
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 SINGLE, CLUSTER, SENTINEL = "single", "cluster", "sentinel"
 

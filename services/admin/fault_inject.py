@@ -14,7 +14,6 @@ import threading
 import time
 from typing import Callable
 
-import redis
 
 from shared.bus import connect_sync
 from shared.keys import Keys

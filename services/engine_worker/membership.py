@@ -150,8 +150,6 @@ class GroupMembership:
         tells the health check why. Renewal is fenced (shared/lease.py): it never
         overwrites another owner's token; finding one, this process leaves
         (``_on_slot_lost``). Returns what stops it (blocking until its last beat is written)."""
-        import redis
-
         done = threading.Event()
         ttl = self.s.heartbeat_ms * 3
         alive_key, info_key = self.keys.rank_alive(self.rank), self.keys.rank_info(self.rank)
