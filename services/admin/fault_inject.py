@@ -14,7 +14,6 @@ import threading
 import time
 from typing import Callable
 
-
 from shared.bus import connect_sync
 from shared.keys import Keys
 from shared.messages import FIELD, loads
