@@ -187,9 +187,9 @@ def test_api_parse_uses_the_checkpoints_tokenizer_template_and_eos(tok_dir):
     with pytest.raises(ApiError, match="token ids must be within"):
         parse({"model": "m", "prompt": [1, tok.vocab_size]}, "completion", served_model="m", max_model_len=512,
               num_ranks=1, tok=tok)
-    with pytest.raises(ApiError, match="not supported yet when serving a checkpoint"):   # not byte-named logprobs
-        parse({"model": "m", "prompt": "x", "logprobs": 1}, "completion", served_model="m", max_model_len=512,
-              num_ranks=1, tok=tok)
+    # logprobs name tokens by the checkpoint's tokenizer (services/api_server/logprobs.py CheckpointNames)
+    assert parse({"model": "m", "prompt": "x", "logprobs": 1}, "completion", served_model="m", max_model_len=512,
+                 num_ranks=1, tok=tok).params.logprobs == 1
     tok.chat_template = RICH_TEMPLATE     # a template's raise_exception is the client's 400, not a 500
     with pytest.raises(ApiError, match="refused") as e:
         parse({"model": "m", "messages": [{"role": "developer", "content": "x"}]}, "chat", served_model="m",

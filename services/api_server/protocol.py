@@ -503,9 +503,6 @@ def parse(body: Any, kind: str, *, served_model: str, max_model_len: int, num_ra
         repetition_penalty=_num(body, "repetition_penalty", float, 1.0, lo=0.0, hi=2.0, lo_open=True),
     )
     lp = _logprobs(body, chat)
-    if lp is not None and tok is not None:
-        raise ApiError(400, "'logprobs' is not supported yet when serving a checkpoint (token names and offsets are "
-                       "built for the byte-level model's tokens)", param="logprobs", code="unsupported_parameter")
     params.logprobs = lp
     if echo and lp is not None:
         params.prompt_logprobs = lp
