@@ -92,16 +92,16 @@ def _check_weather(args: str) -> None:
     assert set(a) == {"city", "days"} and len(a["city"]) <= 10 and 1 <= a["days"] <= 7
 
 
-def exercise_tools(c) -> None:
+def exercise_tools(c, model: str = MODEL) -> None:
     """Named, required (and streamed), none; each call's arguments parse and fit the schema."""
-    r = c.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER, TIME], max_tokens=2000, seed=3,
+    r = c.chat.completions.create(model=model, messages=MSGS, tools=[WEATHER, TIME], max_tokens=2000, seed=3,
                                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
     ch = r.choices[0]
     assert ch.finish_reason == "stop" and ch.message.content is None
     assert [t.function.name for t in ch.message.tool_calls] == ["get_weather"]
     _check_weather(ch.message.tool_calls[0].function.arguments)
     # one call (parallel_tool_calls false): bounded, so it finishes whatever the weights
-    r = c.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER, TIME], tool_choice="required",
+    r = c.chat.completions.create(model=model, messages=MSGS, tools=[WEATHER, TIME], tool_choice="required",
                                   max_tokens=3000, seed=5, parallel_tool_calls=False)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
@@ -112,14 +112,14 @@ def exercise_tools(c) -> None:
         else:
             assert t.function.name == "get_time" and json.loads(t.function.arguments)["tz"] in ("UTC", "CET")
     calls, finish = [], None
-    for ck in c.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], max_tokens=2000, seed=3,
+    for ck in c.chat.completions.create(model=model, messages=MSGS, tools=[WEATHER], max_tokens=2000, seed=3,
                                         stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}}):
         for x in ck.choices:
             calls += x.delta.tool_calls or []
             finish = x.finish_reason or finish
     assert finish == "stop" and len(calls) == 1 and calls[0].function.name == "get_weather"
     _check_weather(calls[0].function.arguments)
-    r = c.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], tool_choice="none", max_tokens=5)
+    r = c.chat.completions.create(model=model, messages=MSGS, tools=[WEATHER], tool_choice="none", max_tokens=5)
     assert r.choices[0].message.tool_calls is None and isinstance(r.choices[0].message.content, str)
 
 
