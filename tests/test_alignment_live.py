@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 MODEL = "lockstep-moe"
 
 
-def test_a_prefill_nobody_could_share_runs_at_once_and_output_is_exact(tmp_path):
+def test_a_prefill_nobody_shares_is_paced_over_its_short_wait_and_output_is_exact(tmp_path):
     cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim",
                             namespace="align")
     try:
@@ -42,9 +42,10 @@ def test_a_prefill_nobody_could_share_runs_at_once_and_output_is_exact(tmp_path)
         rc = redis.Redis.from_url(cluster.redis_url)
         prefills = [json.loads(f[b"d"])["prefill"] for _, f in rc.xrange(Keys("align").stats)
                     if json.loads(f[b"d"])["rank"] == 0]
-        # Rank 1 has no prefill pending: holding the long prompt for a balanced step would
-        # wait for nobody, so it runs at once, in one step (TTFT first with headroom).
+        # Rank 1 has no prefill pending: the long prompt waits at most align_min_delay_ms
+        # (200 ms) for company, paced over the steps of that wait (a prefill arriving on
+        # rank 1 meanwhile would share them), not held for a balanced step that never comes.
         assert sum(prefills) >= 1500
-        assert max(prefills) == 1500, prefills
+        assert max(prefills) < 1500, prefills
     finally:
         cluster.stop()

@@ -170,8 +170,11 @@ async def test_metrics_show_snapshot_per_rank_view_and_decisions(cluster):
         # one leader, dispatching under its incarnation (scheduler.<n>)
         assert len(dispatchers) == 1 and next(iter(dispatchers)).startswith("scheduler.")
     else:
-        assert dispatchers and all(d.startswith("api-") for d in dispatchers)
-        assert len(dispatchers) == 2     # both replicas took part of the burst
+        # the replicas placed every request; the scheduler places only resubmissions (a
+        # rank replaced under a starved machine resumes its requests through it)
+        api = {d for d in dispatchers if d.startswith("api-")}
+        assert len(api) == 2, dispatchers     # both replicas took part of the burst
+        assert all(d in api or d.startswith("scheduler.") for d in dispatchers), dispatchers
         # this replica's own decisions
         assert sum(v for _, v in _metric(text, "lockstep_api_dispatch_decisions_total")) > 0
         pol = dict((l["counter"], v) for l, v in _metric(text, "lockstep_api_policy"))
