@@ -426,7 +426,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                 if ch.finish is not None and sent >= len(ch.tokens):
                     finished = True
                     if ch.finish in ("error", "abort"):
-                        yield _sse_error(503, f"the request could not be completed: {ch.error or ch.finish}")
+                        yield _sse_error(503, f"the request could not be completed: {ch.error or ch.finish}; retry it")
                         yield b"data: [DONE]\n\n"
                         return
                     tail = stopper.feed(dec.flush()) + stopper.finish()

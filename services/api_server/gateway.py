@@ -283,7 +283,7 @@ class Gateway:
         self.run_id = run_id
         if lost:
             for ch in list(self.channels.values()):
-                ch.fail("the cluster's Redis server restarted and lost this request; retry it")
+                ch.fail("the cluster's Redis server restarted and lost this request")
 
     async def _heartbeat(self) -> None:
         while True:

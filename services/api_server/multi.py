@@ -211,7 +211,7 @@ async def _sse(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway, rid
             if broken is not None:
                 reason = "engine_error"
                 yield b"data: " + orjson.dumps(ApiError(503, "the request could not be completed: "
-                                                        f"{broken.ch.error or broken.ch.finish}").body()) + b"\n\n"
+                                                        f"{broken.ch.error or broken.ch.finish}; retry it").body()) + b"\n\n"
                 yield b"data: [DONE]\n\n"
                 return
             if all(st.done for st in streams):
