@@ -18,18 +18,9 @@ from pathlib import Path
 
 from shared import keys as K
 from shared.bus import connect
+from shared.redis_server import pid_alive
 
 ROOT = Path(tempfile.gettempdir()) / "lockstep-metrics"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def prepare(namespace: str, port: int, started: str) -> str:
@@ -44,7 +35,7 @@ def prepare(namespace: str, port: int, started: str) -> str:
             shutil.rmtree(old, ignore_errors=True)
     for f in path.glob("gauge_live*_*.db"):
         pid = f.stem.rsplit("_", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             multiprocess.mark_process_dead(int(pid), str(path))
     return str(path)
 
