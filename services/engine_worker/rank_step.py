@@ -76,6 +76,8 @@ class RankStep:
     def prefill_need(self, plan: StepPlan, now_s: float) -> tuple[int, int]:
         """(tokens this rank's prefill deadlines need this step, prefill tokens pending here
         — running prefills and the waiting queue, read up to 64 sequences)."""
+        if plan.no_prefill_pending:   # the common decode-only rank: no list to build
+            return min(self.budget.max_tokens, plan.decode_tokens), 0
         since = self.since_s
         now_ms = now_s * 1000.0
         pending = [(since.get(q.id, now_s) * 1000.0, q.pending_prefill())

@@ -73,6 +73,7 @@ class StepPlan:
     held: int = 0                # waiting sequences the gate held this step
     admitted: list[Sequence] = field(default_factory=list)   # admitted by this plan, in order
     dropped: list[str] = field(default_factory=list)         # chunks trimmed away entirely (token alignment)
+    no_prefill_pending: bool = False   # nothing to prefill here: no prefill under way, none waiting
     _chunks: list[ChunkInput] | None = None
 
     @property
@@ -298,6 +299,8 @@ class EngineScheduler:
         plan.decode_context = max_ctx
         plan.decode_tokens = decodes
         budget -= decodes
+        # the scan saw every running sequence and none is prefilling, and nobody waits
+        plan.no_prefill_pending = not prefilling and i >= len(run) and not self.waiting
 
         # 2. Continue prefills already under way (their blocks are reserved). The decode
         # scan counted them, unless it stopped early.
