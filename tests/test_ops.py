@@ -1,4 +1,4 @@
-"""The operator commands (services/admin/ops.py, watch.py) and the Prometheus metrics,
+"""The operator commands (services/admin/*_cmd.py, watch.py) and the Prometheus metrics,
 against one live `lockstep up --ranks 2 --api-servers 1 --backend sim` cluster."""
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def test_config_shows_every_service_with_cluster_values(cluster):
 
 
 def test_config_redacts_secrets():
-    from services.admin.ops import effective_config
+    from services.admin.config_cmd import effective_config
 
     cfg = effective_config({"LOCKSTEP_API_KEYS": "sk-one,sk-two"}, {"ranks": "3"}, "x",
                            "redis://user:hunter2@db:6379/0")

@@ -184,8 +184,9 @@ def engine_worker(sets: list[str] = SET_OPT) -> None:
 def _register_optional() -> None:
     """Commands that live in their own modules register themselves here."""
     import importlib
-    for mod in ("services.admin.simulate_cmd", "services.admin.bench_cmd", "services.admin.ops", "services.admin.watch",
-                "services.admin.chaos"):
+    for mod in ("services.admin.simulate_cmd", "services.admin.bench_cmd", "services.admin.init_cmd",
+                "services.admin.steps_cmd", "services.admin.request_cmd", "services.admin.drain_cmd",
+                "services.admin.config_cmd", "services.admin.watch", "services.admin.chaos"):
         try:
             module = importlib.import_module(mod)
         except ImportError:

@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 import typer
 
-from services.admin.ops import JSON_OPT, NS_OPT, URL_OPT, _s, emit_json, read_steps, resolve
+from services.admin.cmd_common import JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, resolve
+from services.admin.steps_cmd import read_steps
 from shared import keys as K
 from shared.bus import decode_entries, entry_id_key
 
@@ -69,8 +70,8 @@ async def _queues(r: Any, keys: K.Keys) -> dict[str, Any]:
                            "scheduler_pending": 0, "scheduler_lag": 0}
     if isinstance(groups, list):
         for g in groups:
-            g = {_s(k): v for k, v in g.items()}
-            if _s(g.get("name", "")) == K.SCHEDULER_GROUP:
+            g = {as_str(k): v for k, v in g.items()}
+            if as_str(g.get("name", "")) == K.SCHEDULER_GROUP:
                 out["scheduler_pending"] = int(g.get("pending") or 0)
                 out["scheduler_lag"] = int(g.get("lag") or 0)
     return out

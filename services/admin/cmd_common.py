@@ -1,0 +1,63 @@
+"""What every operator command shares: the ``--namespace/-n``, ``--redis-url`` and
+``--json`` options, finding the cluster's Redis (unreachable: one red line, exit 2), and
+decoding Redis replies for display."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import typer
+
+from services.admin import local_state
+
+NS_OPT = typer.Option("ls", "--namespace", "-n", envvar="LOCKSTEP_NAMESPACE", help="Key prefix of the cluster.")
+URL_OPT = typer.Option(None, "--redis-url", help="Redis URL (default: LOCKSTEP_REDIS_URL, else the local cluster's).")
+JSON_OPT = typer.Option(False, "--json", help="Machine-readable JSON instead of tables.")
+
+
+def fail(msg: str, code: int = 1) -> None:
+    typer.secho(f"lockstep: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def resolve(redis_url: str | None, namespace: str) -> str:
+    """The cluster's Redis URL, checked reachable; a one-line error and exit 2 if not."""
+    from shared.bus import RedisUnreachable, check_reachable
+
+    try:
+        url = local_state.resolve_redis_url(redis_url, namespace)
+        asyncio.run(check_reachable(url))
+    except (local_state.NoCluster, RedisUnreachable) as exc:
+        fail(str(exc), 2)
+    return url
+
+
+def emit_json(data: Any) -> None:
+    typer.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
+
+
+def as_str(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def as_number(v: Any) -> Any:
+    """A hash value as int or float when it is one, else str."""
+    s = as_str(v)
+    for cast in (int, float):
+        try:
+            return cast(s)
+        except ValueError:
+            pass
+    return s
+
+
+async def with_redis(url: str, fn: Any) -> Any:
+    """``await fn(client)`` with a client that is closed afterwards."""
+    from shared.bus import connect
+    r = connect(url, timeout_s=5.0)
+    try:
+        return await fn(r)
+    finally:
+        await r.aclose()

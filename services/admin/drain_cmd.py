@@ -1,0 +1,99 @@
+"""``lockstep drain RANK`` and ``lockstep resume RANK``: take a rank out of placement
+(``<ns>:drained``) and give it back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Optional
+
+import orjson
+import typer
+
+from services.admin.cmd_common import JSON_OPT, NS_OPT, URL_OPT, emit_json, fail, resolve, with_redis
+from shared import keys as K
+
+
+async def _num_ranks(r: Any, keys: K.Keys) -> int | None:
+    v = await r.hget(keys.cluster, "ranks")
+    return int(v) if v else None
+
+
+async def set_drained(r: Any, keys: K.Keys, rank: int, drained: bool) -> dict[str, Any]:
+    n = await _num_ranks(r, keys)
+    if n is not None and not 0 <= rank < n:
+        return {"error": f"rank {rank} is not in this cluster (ranks 0..{n - 1})"}
+    if drained:
+        changed = await r.sadd(keys.drained, rank)
+    else:
+        changed = await r.srem(keys.drained, rank)
+    members = sorted(int(x) for x in await r.smembers(keys.drained))
+    return {"rank": rank, "drained": drained, "changed": bool(changed), "drained_ranks": members}
+
+
+async def rank_load(r: Any, keys: K.Keys, rank: int) -> dict[str, int]:
+    """Work still on a rank: waiting + running (last step stats) and unacked inbox entries."""
+    pipe = r.pipeline(transaction=False)
+    pipe.hget(keys.rank_info(rank), "stats")
+    pipe.xpending(keys.inbox(rank), K.ENGINE_GROUP)
+    stats, pending = await pipe.execute(raise_on_error=False)
+    st = orjson.loads(stats) if isinstance(stats, bytes) else {}
+    pend = pending.get("pending", 0) if isinstance(pending, dict) else 0
+    return {"waiting": st.get("waiting", 0), "running": st.get("running", 0), "inbox_pending": pend}
+
+
+def drain_cmd(rank: int = typer.Argument(..., help="DP rank to drain."),
+              wait: bool = typer.Option(False, "--wait", help="Wait until the rank has finished its requests."),
+              timeout: float = typer.Option(600.0, "--timeout", help="With --wait: give up after this many seconds."),
+              namespace: str = NS_OPT, redis_url: Optional[str] = URL_OPT, json: bool = JSON_OPT) -> None:
+    """Stop sending new work to RANK; its running requests finish there (undo with `resume`)."""
+    url = resolve(redis_url, namespace)
+    keys = K.Keys(namespace)
+
+    async def go(r: Any) -> dict[str, Any]:
+        res = await set_drained(r, keys, rank, True)
+        if "error" in res or not wait:
+            return res
+        deadline = time.monotonic() + timeout
+        while True:
+            load = await rank_load(r, keys, rank)
+            if not any(load.values()):
+                return {**res, "idle": True, "load": load}
+            if time.monotonic() > deadline:
+                return {**res, "idle": False, "load": load}
+            await asyncio.sleep(0.25)
+
+    res = asyncio.run(with_redis(url, go))
+    if "error" in res:
+        fail(res["error"], 2)
+    if json:
+        emit_json(res)
+    else:
+        typer.echo(f"rank {rank} drained" + ("" if res["changed"] else " (already)")
+                   + f"; drained ranks: {res['drained_ranks']}. The scheduler stops placing work there within "
+                     "~250 ms; requests already on it finish there. Undo: lockstep resume " + str(rank))
+        if wait:
+            typer.echo(f"rank {rank} is idle" if res["idle"] else f"rank {rank} still has work after {timeout:g}s: "
+                                                                  f"{res['load']}")
+    if wait and not res["idle"]:
+        raise typer.Exit(1)
+
+
+def resume_cmd(rank: int = typer.Argument(..., help="DP rank to give work again."),
+               namespace: str = NS_OPT, redis_url: Optional[str] = URL_OPT, json: bool = JSON_OPT) -> None:
+    """Let RANK receive new work again (undo `drain`)."""
+    url = resolve(redis_url, namespace)
+    keys = K.Keys(namespace)
+    res = asyncio.run(with_redis(url, lambda r: set_drained(r, keys, rank, False)))
+    if "error" in res:
+        fail(res["error"], 2)
+    if json:
+        emit_json(res)
+    else:
+        typer.echo(f"rank {rank} resumed" + ("" if res["changed"] else " (was not drained)")
+                   + f"; drained ranks: {res['drained_ranks'] or 'none'}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("drain")(drain_cmd)
+    app.command("resume")(resume_cmd)
