@@ -62,6 +62,33 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{i}"
 
 
+# gloo binds the address its own hostname resolves to unless told otherwise (and
+# GLOO_SOCKET_IFNAME names an interface, whose first address is not a rank's advertised
+# one when several share it: 127.0.0.2 and .3 on lo). Ranks on many hosts must listen where
+# they advertise, so the group is made through this backend: gloo on a device bound to
+# the rank's own address (settings.group_host), set just before each init.
+BOUND_GLOO = "lockstep_gloo"
+_bind = {"addr": ""}
+
+
+def _bound_gloo(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=_bind["addr"])]
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def gloo_backend(bind: str | None) -> str:
+    """The backend name for a CPU group whose sockets listen on ``bind``: plain gloo (its
+    own choice of address) when no specific address is given."""
+    if not bind or bind in ("0.0.0.0", "::", "*"):
+        return "gloo"
+    if BOUND_GLOO not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BOUND_GLOO, _bound_gloo, devices=["cpu"])
+    _bind["addr"] = bind
+    return BOUND_GLOO
+
+
 class LockstepGroup:
     """The engine group's step collective over torch.distributed (gloo or NCCL)."""
 
@@ -70,7 +97,10 @@ class LockstepGroup:
         self._buf = torch.zeros((world_size, FIELDS), dtype=torch.int64, device=rank_device(device, rank))
 
     @staticmethod
-    def init(rank: int, world_size: int, addr: str, port: int, timeout_s: float, device: str = "cpu") -> "LockstepGroup":
+    def init(rank: int, world_size: int, addr: str, port: int, timeout_s: float, device: str = "cpu",
+             bind: str | None = None) -> "LockstepGroup":
+        """Join the group that meets at ``addr:port`` (rank 0's store); on CPU this rank's
+        gloo sockets listen on ``bind``, the address the other ranks reach it at."""
         if world_size > 1 and not dist.is_initialized():
             # The group's store keys carry a per-process counter (/default_pg/<n>/...). A
             # failed init counts its group but leaves nothing to destroy (the destroy is
@@ -80,7 +110,7 @@ class LockstepGroup:
             dist.distributed_c10d._world.group_count = 0
             rank_device(device, rank)   # NCCL binds the current GPU
             dist.init_process_group(
-                backend="nccl" if device == "cuda" else "gloo",
+                backend="nccl" if device == "cuda" else gloo_backend(bind),
                 init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout_s))
         return LockstepGroup(rank, world_size, device)

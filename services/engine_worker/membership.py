@@ -264,7 +264,8 @@ class GroupMembership:
     async def _form_group(self) -> None:
         addr, port = await self._rendezvous()
         group = await asyncio.to_thread(
-            LockstepGroup.init, self.rank, self.s.ranks, addr, port, self.s.collective_timeout_s, self.s.device)
+            LockstepGroup.init, self.rank, self.s.ranks, addr, port, self.s.collective_timeout_s, self.s.device,
+            self.s.group_host)   # this rank listens where it advertises (lockstep engine --advertise-addr)
         try:
             await self._adopt_group_counters(group)
         except GroupBroken:

@@ -1,0 +1,357 @@
+"""`lockstep engine`: this host's ranks of an engine group that spans many hosts.
+
+    lockstep engine --ranks 8-15 --redis-url URL [--advertise-addr IP] [--device cuda]
+
+starts one engine-worker process per rank (and ``--spares`` hot spares), supervised as
+``lockstep up`` supervises its own (services/admin/supervisor.py: a dead rank's slot is
+freed at once and announced, so a spare on any host takes it). The ranks join the group
+through Redis: rank 0 publishes where the group meets (``<ns>:dist``), every rank's
+torch.distributed sockets listen on ``--advertise-addr``, the address the other hosts reach
+this one at. The group's size is ``--world-size`` or, when not given, the ``ranks`` the
+scheduler (or ``lockstep up``/``lockstep init``) published in ``<ns>:cluster``.
+
+Ctrl-C or SIGTERM: this host's ranks leave the group (each hands its requests over to the
+others and frees its slot, where a spare can take it), then the command exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+from urllib.parse import urlsplit
+
+import typer
+
+from services.admin import local_state
+from services.admin.supervisor import Supervisor, tail
+from shared import keys as K
+from shared.bus import RedisUnreachable, check_reachable, connect, redact_url
+
+# An engine that exits with 2 cannot do better on a restart: a setting it refuses, or
+# Redis unreachable at its start. One that exits with 3 found its rank's slot held by
+# another process: a spare (on any host) took the rank over while it restarted.
+FATAL_CODE = 2
+SLOT_TAKEN_CODE = 3
+STOP_TIMEOUT_S = 30.0   # each rank hands its requests over within a step; then killed
+
+
+class BadOption(ValueError):
+    """A command line `lockstep engine` refuses, with what to use instead."""
+
+
+def parse_ranks(spec: str) -> list[int]:
+    """``8-15``, ``3`` or a comma list of those (``0-3,8-11``): sorted, no repeats."""
+    ranks: set[int] = set()
+    for part in (p.strip() for p in spec.split(",")):
+        lo, dash, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi) if dash else int(lo)
+        except ValueError:
+            raise BadOption(f"--ranks takes A-B, N or a comma list of them (e.g. 8-15), not {spec!r}") from None
+        if a < 0 or b < a:
+            raise BadOption(f"--ranks {part!r}: a range runs from a rank >= 0 up to a larger one")
+        ranks.update(range(a, b + 1))
+    return sorted(ranks)
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """The inverse of parse_ranks, for the banner: [0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}-{r}" if r != start else str(r))
+            start = None
+    return ",".join(out)
+
+
+def redis_host(url: str) -> str | None:
+    """The first Redis host a URL names (cluster and sentinel URLs list several)."""
+    from shared.redis_url import SINGLE, parse
+
+    target = parse(url)
+    if target.kind == SINGLE:
+        return urlsplit(url).hostname
+    return target.nodes[0][0] if target.nodes else None
+
+
+def default_advertise_addr(url: str) -> str:
+    """The address this host reaches Redis from: the other hosts reach Redis too, so they
+    most likely reach this host there (no packet is sent: a UDP connect picks a route)."""
+    host = redis_host(url)
+    if not host:
+        raise BadOption("cannot tell this host's address from the Redis URL: pass --advertise-addr IP")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), 9))
+            return s.getsockname()[0]
+    except OSError as exc:
+        raise BadOption(f"cannot tell this host's address ({exc}): pass --advertise-addr IP") from None
+
+
+def interface_of(addr: str) -> str | None:
+    """The network interface that carries ``addr`` (NCCL picks its sockets by interface)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == addr for a in addrs):
+            return name
+    return None
+
+
+async def published_world(url: str, namespace: str) -> int | None:
+    """The group size the scheduler (or `up`, `init`) published in ``<ns>:cluster``."""
+    r = connect(url, timeout_s=5.0)
+    try:
+        v = await r.hget(K.Keys(namespace).cluster, "ranks")
+    finally:
+        await r.aclose()
+    return int(v) if v else None
+
+
+def resolve_world(ranks: list[int], given: int | None, published: int | None) -> int:
+    """The group's size, from ``--world-size`` or what the cluster published; refuses a
+    size unknown, contradicted, or too small for this host's ranks."""
+    if given is not None and published is not None and given != published:
+        raise BadOption(f"--world-size {given} but the cluster in Redis has {published} ranks "
+                        f"(its scheduler's LOCKSTEP_RANKS): every rank must agree on the group's size")
+    world = given if given is not None else published
+    if world is None:
+        raise BadOption("the engine group's size is unknown: pass --world-size N (or LOCKSTEP_RANKS), or start "
+                        "the scheduler first (it publishes its LOCKSTEP_RANKS in Redis)")
+    if world < 1:
+        raise BadOption(f"--world-size must be at least 1, not {world}")
+    if ranks[-1] >= world:
+        raise BadOption(f"--ranks {ranks_text(ranks)} does not fit a group of {world} ranks (0-{world - 1})")
+    return world
+
+
+@dataclass
+class EngineHostOptions:
+    ranks: list[int]
+    redis_url: str
+    advertise_addr: str
+    world: int
+    namespace: str = "ls"
+    backend: str = "torch"
+    device: str = "cpu"
+    spares: int = 0
+    log_dir: str | None = None
+    log_level: str = "info"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class EngineHost(Supervisor):
+    """This host's rank processes and spares (see the module docstring)."""
+
+    def __init__(self, opts: EngineHostOptions, out: Callable[[str], Any] = print) -> None:
+        log_dir = Path(opts.log_dir or (local_state.state_dir() / opts.namespace / "logs" / f"engine-{opts.advertise_addr}"))
+        super().__init__(log_dir, out)
+        self.o = opts
+        self.url = opts.redis_url
+        self.joined = False
+
+    @property
+    def namespace(self) -> str:
+        return self.o.namespace
+
+    @property
+    def world(self) -> int:
+        return self.o.world
+
+    @property
+    def spares(self) -> int:
+        return self.o.spares
+
+    def env(self) -> dict[str, str]:
+        """What every process here starts with: the caller's LOCKSTEP_* settings (e.g.
+        LOCKSTEP_NUM_KV_BLOCKS), then the ones this command sets; no inherited identity."""
+        o = self.o
+        env = {k: v for k, v in os.environ.items() if k not in ("LOCKSTEP_RANK", "LOCKSTEP_SPARE", "LOCKSTEP_API_ID")}
+        env.update({
+            "LOCKSTEP_REDIS_URL": o.redis_url, "LOCKSTEP_NAMESPACE": o.namespace, "LOCKSTEP_RANKS": str(o.world),
+            "LOCKSTEP_BACKEND": o.backend, "LOCKSTEP_DEVICE": o.device, "LOCKSTEP_GROUP_HOST": o.advertise_addr,
+            "LOCKSTEP_LOG_LEVEL": o.log_level, "PYTHONUNBUFFERED": "1",
+        })
+        if o.device == "cpu":
+            env.setdefault("OMP_NUM_THREADS", "1")
+        else:
+            # NCCL's bootstrap and socket transport choose by interface name: the one that
+            # carries the advertised address (an operator's own setting wins).
+            iface = interface_of(o.advertise_addr)
+            if iface and "NCCL_SOCKET_IFNAME" not in env:
+                env["NCCL_SOCKET_IFNAME"] = iface
+        env.update(o.extra_env)
+        return env
+
+    def start(self) -> None:
+        from shared.settings import EngineSettings
+
+        env = self.env()
+        EngineSettings.from_env({**env, "LOCKSTEP_RANK": str(self.o.ranks[0])})   # refuse before starting any
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        base = int(env.pop("LOCKSTEP_METRICS_PORT", "") or 0)
+        port = (lambda n: {"LOCKSTEP_METRICS_PORT": str(base + n)} if base else {})
+        for rank in self.o.ranks:   # metrics (if asked): rank r on base + r
+            self._spawn(f"engine-{rank}", ["engine-worker"], {**env, "LOCKSTEP_RANK": str(rank), **port(rank)})
+        self.spare_env = {**env, "LOCKSTEP_SPARE": "1", **port(0)}   # a spare adds the rank it takes
+        for _ in range(self.o.spares):
+            self._spawn_spare()
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        super().stop(timeout_s)
+
+    def check_fatal(self) -> str | None:
+        """A child that exited with a code a restart cannot fix: what to tell the operator.
+        A rank whose slot another process holds now is served there: not restarted."""
+        for c in list(self.children):
+            code = c.proc.poll()
+            if code == FATAL_CODE:
+                return f"{c.role} exited with code {code}. Last log lines:\n{tail(c.log)}"
+            if code == SLOT_TAKEN_CODE and c.role.startswith("engine-"):
+                self.children.remove(c)
+                self.out(f"lockstep engine: {c.role}'s slot is held by another process (a spare took the rank "
+                         f"over); not restarting it. Log: {c.log}")
+        return None
+
+    async def joined_gen(self) -> int | None:
+        """The group's generation once every rank of this host has joined it, else None."""
+        k = K.Keys(self.o.namespace)
+        r = connect(self.url, timeout_s=2.0)
+        try:
+            pipe = r.pipeline(transaction=False)
+            for rank in self.o.ranks:
+                pipe.hget(k.rank_info(rank), "ready")
+            pipe.hget(k.dist, "gen")
+            res = await pipe.execute()
+        finally:
+            await r.aclose()
+        return int(res[-1] or 0) if all(res[:-1]) else None
+
+    def run(self, poll_s: float = 0.2) -> int:
+        """Supervise until a signal (0, after the ranks left) or a fatal exit (1)."""
+        import signal
+
+        stop = {"sig": None}
+
+        def on_signal(signum: int, _: Any) -> None:
+            stop["sig"] = signum
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, on_signal)
+        next_probe = 0.0
+        while stop["sig"] is None:
+            fatal = self.check_fatal()
+            if fatal:
+                self.out(f"lockstep: {fatal}")
+                self.stop()
+                return 1
+            if not self.supervise():
+                return 1
+            if not self.joined and time.monotonic() >= next_probe:
+                next_probe = time.monotonic() + 1.0
+                try:
+                    gen = asyncio.run(self.joined_gen())
+                except Exception:  # noqa: BLE001 - Redis blip: asked again in a second
+                    gen = None
+                if gen is not None:
+                    self.joined = True
+                    self.out(f"lockstep engine: ranks {ranks_text(self.o.ranks)} joined the engine group "
+                             f"(generation {gen})")
+            time.sleep(poll_s)
+        self.out("lockstep engine: stopping (this host's ranks leave the group)...")
+        self.stop()
+        return 0
+
+
+def banner(host: EngineHost) -> str:
+    o = host.o
+    spares = f"{o.spares} hot spare{'s' * (o.spares != 1)} (take any dead rank's slot)"
+    return "\n".join([
+        f"lockstep engine: ranks {ranks_text(o.ranks)} of {o.world} ({o.backend}, {o.device}) on this host",
+        f"  Advertised {o.advertise_addr}   (the other hosts reach these ranks here)",
+        f"  Redis      {redact_url(o.redis_url)}   namespace {o.namespace}",
+        f"  Spares     {spares}",
+        f"  Logs       {host.log_dir}",
+        "  Stop       Ctrl-C (the ranks leave the group; their requests resume on the others)",
+    ])
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("engine")
+    def engine(
+        ranks: str = typer.Option(..., "--ranks", help="This host's ranks: A-B (e.g. 8-15), N, or a comma list."),
+        redis_url: Optional[str] = typer.Option(None, "--redis-url", envvar="LOCKSTEP_REDIS_URL",
+                                                help="The group's Redis: redis://, rediss://, redis+cluster://, "
+                                                     "redis+sentinel://."),
+        advertise_addr: Optional[str] = typer.Option(None, "--advertise-addr", envvar="LOCKSTEP_GROUP_HOST",
+                                                     help="Address the other hosts reach this host's ranks at (its "
+                                                          "torch.distributed sockets listen there). Default: the "
+                                                          "address this host reaches Redis from."),
+        device: str = typer.Option("cpu", "--device", envvar="LOCKSTEP_DEVICE",
+                                   help="cpu (gloo) or cuda (NCCL; rank r on GPU r modulo this host's GPUs)."),
+        backend: str = typer.Option("torch", "--backend", help="torch (a real MoE) or sim (device cost model)."),
+        spares: int = typer.Option(0, "--spares", min=0,
+                                   help="Hot-spare engine processes on this host: each takes a dead rank's slot "
+                                        "(any host's) at once."),
+        world_size: Optional[int] = typer.Option(None, "--world-size", envvar="LOCKSTEP_RANKS",
+                                                 help="Ranks in the whole group. Default: what the scheduler "
+                                                      "published in Redis (its LOCKSTEP_RANKS)."),
+        namespace: str = typer.Option("ls", "--namespace", "-n", envvar="LOCKSTEP_NAMESPACE",
+                                      help="Key prefix of the cluster."),
+        model: Optional[str] = typer.Option(None, "--model", envvar="LOCKSTEP_MODEL",
+                                            help="A local checkpoint directory (the same on every host), 'random', "
+                                                 "or the bundled model (default)."),
+        dtype: str = typer.Option("auto", "--dtype", help="With --model: auto, bfloat16 or float32."),
+        log_dir: Optional[str] = typer.Option(None, "--log-dir", help="Where the rank processes log."),
+        log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
+    ) -> None:
+        """Start this host's engine ranks of a group that spans many hosts; they join it through Redis."""
+        def fail(msg: str, code: int = 2) -> None:
+            typer.secho(f"lockstep: {msg}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code)
+
+        if backend not in ("sim", "torch"):
+            fail(f"--backend must be 'sim' or 'torch', not {backend!r}")
+        if device not in ("cpu", "cuda"):
+            fail(f"--device must be 'cpu' or 'cuda', not {device!r}")
+        if not redis_url:
+            fail("lockstep engine joins its group through Redis: pass --redis-url URL (or set LOCKSTEP_REDIS_URL)")
+        try:
+            wanted = parse_ranks(ranks)
+            asyncio.run(check_reachable(redis_url))
+            world = resolve_world(wanted, world_size, asyncio.run(published_world(redis_url, namespace)))
+            addr = advertise_addr or default_advertise_addr(redis_url)
+        except (BadOption, RedisUnreachable, ValueError) as exc:
+            fail(str(exc))
+        extra = {}
+        if model:
+            from services.engine_worker.model.factory import check_checkpoint, is_checkpoint
+            extra["LOCKSTEP_MODEL"] = model
+            if is_checkpoint(model):
+                if backend != "torch":
+                    fail("--model needs --backend torch (the sim backend makes up byte tokens)")
+                try:
+                    check_checkpoint(model, world, int(os.environ.get("LOCKSTEP_MAX_MODEL_LEN", "4096")))
+                except (OSError, ValueError) as exc:
+                    fail(str(exc))
+                extra.update({"LOCKSTEP_MODEL": os.path.abspath(model), "LOCKSTEP_DTYPE": dtype})
+        host = EngineHost(EngineHostOptions(ranks=wanted, redis_url=redis_url, advertise_addr=addr, world=world,
+                                            namespace=namespace, backend=backend, device=device, spares=spares,
+                                            log_dir=log_dir, log_level=log_level, extra_env=extra),
+                          out=lambda m: typer.echo(m, err=True))
+        try:
+            host.start()
+        except ValueError as exc:
+            host.stop()
+            fail(str(exc))
+        typer.echo(banner(host))
+        sys.stdout.flush()
+        raise typer.Exit(host.run())

@@ -1,0 +1,193 @@
+"""Child processes of one machine: spawn them, replace the ones that die, stop them in order.
+
+``lockstep up`` (a whole cluster on one machine) and ``lockstep engine`` (this host's
+ranks of a group that spans many) both supervise engine processes the same way, so the
+rules live here once: an engine that dies frees its rank slot at once and announces it
+(a hot spare, on any host, takes the rank over); a fresh spare is started in its place,
+or, without spares, the process starts again for its own rank; a child that keeps dying
+stops the supervisor. Children get PDEATHSIG, so even a SIGKILL of the supervisor takes
+them down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from shared import keys as K
+from shared import lease
+from shared.bus import connect
+from shared.redis_server import die_with_parent
+
+MAX_RESTARTS_PER_MIN = 5
+
+
+@dataclass
+class Child:
+    role: str
+    proc: subprocess.Popen
+    log: Path
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: list[float] = field(default_factory=list)   # when it was restarted (recent ones)
+
+
+class Supervisor:
+    """The children of one machine. Subclasses set ``url`` (the Redis URL) and define
+    ``namespace``, ``world`` (the group's rank count) and ``spares`` (hot spares kept)."""
+
+    url: str
+    namespace: str
+    world: int
+    spares: int
+
+    def __init__(self, log_dir: Path, out: Callable[[str], Any] = print) -> None:
+        self.out = out
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+        self.spare_env: dict[str, str] = {}
+        self.spares_started = 0
+
+    def _spawn(self, role: str, args: list[str], env: dict[str, str]) -> None:
+        log = self.log_dir / f"{role}.log"
+        self.children.append(Child(role, self._popen(args, env, log), log, args, env))
+
+    def _spawn_spare(self) -> None:
+        self.spares_started += 1
+        self._spawn(f"spare-{self.spares_started}", ["engine-worker"], self.spare_env)
+
+    @staticmethod
+    def _popen(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        fh = open(log, "ab")
+        try:
+            return subprocess.Popen([sys.executable, "-m", "services.admin.cli", *args], env=env,
+                                    stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=die_with_parent)
+        finally:
+            fh.close()
+
+    def _restart(self, c: Child, code: int) -> bool:
+        """Replace a dead child; give up if it keeps dying. An engine process's slot is
+        freed at once and announced, so a hot spare takes the rank over (the scheduler
+        resumes the dead one's requests meanwhile); a fresh spare is started in its
+        place. Without spares the process starts again for its own rank."""
+        engine = c.role.startswith(("engine-", "spare-"))
+        # An engine that exits 0 while the cluster runs left on purpose (SIGTERM: a rolling
+        # restart of one rank); it handed its requests over and gave its slot back. Its
+        # replacement is routine, not a crash: it does not count towards the limit.
+        planned = engine and code == 0
+        now = time.monotonic()
+        if not planned:
+            c.restarts = [t for t in c.restarts if now - t < 60] + [now]
+        if len(c.restarts) > MAX_RESTARTS_PER_MIN:
+            return False
+        how = "left the group (planned)" if planned else f"exited with code {code}"
+        rank = None
+        if engine:
+            try:
+                rank = asyncio.run(self._release_rank(c.proc.pid))
+            except Exception:  # noqa: BLE001 - the heartbeat TTL frees the slot anyway
+                pass
+        if engine and self.spares > 0:
+            self.children.remove(c)
+            self._spawn_spare()
+            held = f"a hot spare takes rank {rank}; " if rank is not None else ""
+            self.out(f"lockstep: {c.role} {how}; {held}started "
+                     f"{self.children[-1].role} in its place. Log: {c.log}")
+            self.children[-1].restarts = c.restarts
+            return True
+        c.proc = self._popen(c.args, c.env, c.log)
+        self.out(f"lockstep: {c.role} {how}; restarted it. Log: {c.log}")
+        return True
+
+    async def _release_rank(self, dead_pid: int) -> int | None:
+        """The supervisor saw an engine process die: free the slot it held now instead of
+        waiting for its heartbeat to lapse, and announce it (a hot spare pops the list and
+        claims the slot at once; the scheduler resumes the requests as the rank leaves).
+        Returns the rank it held, if any (a spare holds none)."""
+        k = K.Keys(self.namespace)
+        r = connect(self.url, timeout_s=2.0)
+        try:
+            pipe = r.pipeline(transaction=False)
+            for rank in range(self.world):
+                pipe.hmget(k.rank_info(rank), ["pid", "token"])
+                pipe.get(k.rank_alive(rank))
+            res = await pipe.execute()
+            for rank in range(self.world):
+                (pid, token), alive = res[2 * rank], res[2 * rank + 1]
+                if int(pid or 0) == dead_pid and token is not None and alive == token:
+                    # Compare-and-delete: a spare may have taken the slot since the read.
+                    if not await lease.release(r, k.rank_alive(rank), token.decode()):
+                        return None
+                    pipe = r.pipeline(transaction=True)
+                    pipe.lpush(k.vacancies, rank)
+                    pipe.ltrim(k.vacancies, 0, 63)
+                    await pipe.execute()
+                    return rank
+            return None
+        finally:
+            await r.aclose()
+
+    def supervise(self) -> bool:
+        """One round of the supervisor: replace the children that exited. False (and the
+        children stopped) when one keeps exiting. ``lockstep chaos`` drives it too."""
+        for c in list(self.children):
+            code = c.proc.poll()
+            if code is None:
+                continue
+            if not self._restart(c, code):
+                self.out(f"lockstep: {c.role} keeps exiting ({MAX_RESTARTS_PER_MIN} times in a minute); "
+                         f"stopping. Log: {c.log}")
+                self.stop()
+                return False
+        return True
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop_children([(("engine", "spare"), signal.SIGTERM)], timeout_s)
+
+    def _stop_children(self, order: Iterable[tuple[Any, int]], timeout_s: float) -> None:
+        """Signal each group of children (role prefix, signal) in turn and wait for it,
+        bounded: what is still running after ``timeout_s`` is killed."""
+        for prefix, sig in order:
+            group = [c for c in self.children if c.role.startswith(prefix) and c.proc.poll() is None]
+            for c in group:
+                c.proc.send_signal(sig)
+            deadline = time.monotonic() + timeout_s
+            for c in group:
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait(5)
+        self.children = [c for c in self.children if c.proc.poll() is None]
+
+    def wait_for_signal(self, poll_s: float = 0.2) -> int:
+        """Block until SIGINT/SIGTERM/SIGHUP (then stop the children: 0) or until a child
+        keeps dying (1), replacing the ones that exit meanwhile."""
+        stop = {"sig": None}
+
+        def on_signal(signum: int, _: Any) -> None:
+            stop["sig"] = signum
+
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, on_signal)
+        while stop["sig"] is None:
+            if not self.supervise():
+                return 1
+            time.sleep(poll_s)
+        self.out("lockstep: stopping...")
+        self.stop()
+        return 0
+
+
+def tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
