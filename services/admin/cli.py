@@ -186,7 +186,8 @@ def _register_optional() -> None:
     import importlib
     for mod in ("services.admin.simulate_cmd", "services.admin.bench_cmd", "services.admin.init_cmd",
                 "services.admin.steps_cmd", "services.admin.request_cmd", "services.admin.drain_cmd",
-                "services.admin.config_cmd", "services.admin.watch", "services.admin.chaos"):
+                "services.admin.config_cmd", "services.admin.watch", "services.admin.chaos",
+                "services.admin.engine_cmd"):
         try:
             module = importlib.import_module(mod)
         except ImportError:
@@ -198,7 +199,7 @@ _register_optional()
 
 # Group `lockstep --help` by what people come for.
 _PANELS = {
-    "Run and watch": ("up", "status", "watch"),
+    "Run and watch": ("up", "engine", "status", "watch"),
     "Inspect and steer": ("steps", "request", "drain", "resume", "config", "init"),
     "Measure": ("bench", "simulate", "chaos"),
     "Services (what `up` and compose start)": ("api-server", "scheduler", "engine-worker"),
