@@ -128,7 +128,7 @@ def resolve_world(ranks: list[int], given: int | None, published: int | None) ->
                         "the scheduler first (it publishes its LOCKSTEP_RANKS in Redis)")
     if world < 1:
         raise BadOption(f"--world-size must be at least 1, not {world}")
-    if ranks[-1] >= world:
+    if ranks and ranks[-1] >= world:
         raise BadOption(f"--ranks {ranks_text(ranks)} does not fit a group of {world} ranks (0-{world - 1})")
     return world
 
@@ -195,7 +195,7 @@ class EngineHost(Supervisor):
         from shared.settings import EngineSettings
 
         env = self.env()
-        EngineSettings.from_env({**env, "LOCKSTEP_RANK": str(self.o.ranks[0])})   # refuse before starting any
+        EngineSettings.from_env({**env, "LOCKSTEP_RANK": str(self.o.ranks[0] if self.o.ranks else -1)})   # refuse first
         self.log_dir.mkdir(parents=True, exist_ok=True)
         base = int(env.pop("LOCKSTEP_METRICS_PORT", "") or 0)
         port = (lambda n: {"LOCKSTEP_METRICS_PORT": str(base + n)} if base else {})
@@ -255,7 +255,7 @@ class EngineHost(Supervisor):
                 return 1
             if not self.supervise():
                 return 1
-            if not self.joined and time.monotonic() >= next_probe:
+            if self.o.ranks and not self.joined and time.monotonic() >= next_probe:
                 next_probe = time.monotonic() + 1.0
                 try:
                     gen = asyncio.run(self.joined_gen())
@@ -275,7 +275,8 @@ def banner(host: EngineHost) -> str:
     o = host.o
     spares = f"{o.spares} hot spare{'s' * (o.spares != 1)} (take any dead rank's slot)"
     return "\n".join([
-        f"lockstep engine: ranks {ranks_text(o.ranks)} of {o.world} ({o.backend}, {o.device}) on this host",
+        f"lockstep engine: ranks {ranks_text(o.ranks) or 'none (spares only)'} of {o.world} "
+        f"({o.backend}, {o.device}) on this host",
         f"  Advertised {o.advertise_addr}   (the other hosts reach these ranks here)",
         f"  Redis      {redact_url(o.redis_url)}   namespace {o.namespace}",
         f"  Spares     {spares}",
@@ -287,7 +288,8 @@ def banner(host: EngineHost) -> str:
 def register(app: typer.Typer) -> None:
     @app.command("engine")
     def engine(
-        ranks: str = typer.Option(..., "--ranks", help="This host's ranks: A-B (e.g. 8-15), N, or a comma list."),
+        ranks: Optional[str] = typer.Option(None, "--ranks", help="This host's ranks: A-B (e.g. 8-15), N, or a comma "
+                                                                   "list. None: a host of --spares only."),
         redis_url: Optional[str] = typer.Option(None, "--redis-url", envvar="LOCKSTEP_REDIS_URL",
                                                 help="The group's Redis: redis://, rediss://, redis+cluster://, "
                                                      "redis+sentinel://."),
@@ -324,8 +326,10 @@ def register(app: typer.Typer) -> None:
             fail(f"--device must be 'cpu' or 'cuda', not {device!r}")
         if not redis_url:
             fail("lockstep engine joins its group through Redis: pass --redis-url URL (or set LOCKSTEP_REDIS_URL)")
+        if not ranks and spares < 1:
+            fail("say what runs here: --ranks A-B (this host's ranks), --spares K (hot spares), or both")
         try:
-            wanted = parse_ranks(ranks)
+            wanted = parse_ranks(ranks) if ranks else []
             asyncio.run(check_reachable(redis_url))
             world = resolve_world(wanted, world_size, asyncio.run(published_world(redis_url, namespace)))
             addr = advertise_addr or default_advertise_addr(redis_url)
