@@ -74,11 +74,9 @@ def test_compose_structure():
 
 
 def test_env_example_names_real_settings():
-    import dataclasses
-
     from shared.settings import ALL_SETTINGS, ENV_PREFIX
 
-    known = {ENV_PREFIX + f.name.upper() for cls in ALL_SETTINGS for f in dataclasses.fields(cls)}
+    known = {ENV_PREFIX + f.upper() for cls in ALL_SETTINGS for f in cls.model_fields}
     compose_only = {"LOCKSTEP_PUBLISHED_PORT"}
     for line in (ROOT / ".env.example").read_text().splitlines():
         if line.startswith("LOCKSTEP_"):

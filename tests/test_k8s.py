@@ -9,7 +9,6 @@ equal settings, commands that exist)."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import subprocess
 import sys
@@ -102,7 +101,7 @@ def test_variables_are_real_settings_and_commands_run():
     container's args (after the image's `lockstep` entrypoint) parse with --help."""
     from shared.settings import ALL_SETTINGS, ENV_PREFIX
 
-    known = {ENV_PREFIX + f.name.upper() for cls in ALL_SETTINGS for f in dataclasses.fields(cls)}
+    known = {ENV_PREFIX + f.upper() for cls in ALL_SETTINGS for f in cls.model_fields}
     names = set(_one("ConfigMap", "lockstep-config")["data"]) | set(_one("Secret", "lockstep-redis")["stringData"])
     commands = set()
     for doc in _docs():

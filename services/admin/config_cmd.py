@@ -22,14 +22,12 @@ def effective_config(env: dict[str, str], cluster: dict[str, str], namespace: st
                      redis_url: str | None) -> dict[str, Any]:
     """Each service's settings: defaults, then LOCKSTEP_* env vars, then the running
     cluster's record (<ns>:cluster, what `lockstep up` gave its children); secrets redacted."""
-    import dataclasses
-
     from shared import settings as S
 
     out: dict[str, Any] = {}
     for service, cls_name in SERVICES.items():
         cls = getattr(S, cls_name)
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = set(cls.model_fields)
         overrides: dict[str, Any] = {"namespace": namespace}
         if redis_url:
             overrides["redis_url"] = redis_url

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import importlib.metadata
 import time
@@ -126,7 +125,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
     ckpt = hf_text.checkpoint_dir(settings.model)
     tok = HFTokenizer(ckpt) if ckpt else None
     if ckpt:
-        settings = dataclasses.replace(settings, model=Path(ckpt).name)
+        settings = settings.model_copy(update={"model": Path(ckpt).name})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -505,7 +505,7 @@ def _default_spec() -> PolicySpec:
     defaults (shared/settings.py), so this entry can never drift from the product."""
     from services.engine_worker.step_budget import from_settings as budget_from_settings
     from shared.settings import EngineSettings, SchedulerSettings
-    pol = SchedulerSettings.__dataclass_fields__["policy"].default
+    pol = SchedulerSettings.model_fields["policy"].default
     eng = EngineSettings()
     cfg = budget_from_settings(eng)
     # max_tokens comes from the simulated profile's engine, like every other entry's

@@ -1,0 +1,78 @@
+"""Service settings (shared/settings.py): LOCKSTEP_* values are parsed strictly, a bad one
+stops the service at start with a message naming the variable and what it may be."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.settings import (ApiServerSettings, EngineSettings, SchedulerSettings, SettingsError)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_env_values_are_parsed_to_their_types():
+    s = EngineSettings.from_env({"LOCKSTEP_RANKS": "8", "LOCKSTEP_TIME_SCALE": "0.5", "LOCKSTEP_SPARE": "yes",
+                                 "LOCKSTEP_ALIGN_TOKENS": "false", "LOCKSTEP_NAMESPACE": "x"})
+    assert (s.ranks, s.time_scale, s.spare, s.align_tokens, s.namespace) == (8, 0.5, True, False, "x")
+    assert EngineSettings.from_env({"LOCKSTEP_SPARE": "1", "LOCKSTEP_ALIGN_TOKENS": "0"}).spare is True
+    assert ApiServerSettings.from_env({"LOCKSTEP_API_KEYS": "sk-a, sk-b,"}).api_keys == ["sk-a", "sk-b"]
+    assert ApiServerSettings.from_env({"LOCKSTEP_API_KEYS": ""}).api_keys == []
+
+
+@pytest.mark.parametrize("var,raw,allowed", [
+    ("LOCKSTEP_RANKS", "abc", "whole number"),
+    ("LOCKSTEP_SPARE", "2", "true/false"),      # the old parser read "2" as False
+    ("LOCKSTEP_ALIGN_TOKENS", "maybe", "true/false"),
+    ("LOCKSTEP_TIME_SCALE", "fast", "a number"),
+])
+def test_bad_env_value_names_the_variable_and_what_it_may_be(var, raw, allowed):
+    with pytest.raises(SettingsError) as err:
+        EngineSettings.from_env({var: raw})
+    msg = str(err.value)
+    assert f"{var}={raw!r}" in msg and allowed in msg, msg
+
+
+def test_every_bad_variable_is_named_at_once():
+    with pytest.raises(SettingsError) as err:
+        EngineSettings.from_env({"LOCKSTEP_RANKS": "", "LOCKSTEP_SPARE": "2"})
+    assert "LOCKSTEP_RANKS=''" in str(err.value) and "LOCKSTEP_SPARE='2'" in str(err.value)
+
+
+def test_override_beats_env_and_unset_override_does_not():
+    assert SchedulerSettings.from_env({"LOCKSTEP_RANKS": "abc"}, ranks=3).ranks == 3
+    assert SchedulerSettings.from_env({"LOCKSTEP_RANKS": "5"}, ranks=None).ranks == 5
+
+
+def test_construction_reads_only_its_arguments(monkeypatch):
+    # Tests and the simulator build settings in-process: the process env must not leak in.
+    monkeypatch.setenv("LOCKSTEP_RANKS", "7")
+    assert EngineSettings().ranks == 4
+    assert EngineSettings.from_env().ranks == 7
+
+
+def test_unknown_field_and_unservable_combination_are_refused():
+    with pytest.raises(SettingsError, match="rnaks"):
+        EngineSettings(rnaks=2)
+    with pytest.raises(SettingsError, match="needs dispatch 'scheduler'"):
+        SchedulerSettings.from_env({"LOCKSTEP_POLICY": "staggered", "LOCKSTEP_DISPATCH": "client"})
+    with pytest.raises(SettingsError, match="unknown policy 'nope'"):
+        ApiServerSettings(dispatch="client", policy="nope")
+
+
+def test_to_dict_redacts_secrets():
+    d = ApiServerSettings(redis_url="redis://u:pw@h:1", api_keys=["sk-1"]).to_dict()
+    assert "pw" not in d["redis_url"] and d["api_keys"] == ["***"]
+
+
+def test_service_with_a_bad_variable_stops_at_start_with_the_message():
+    env = {**os.environ, "LOCKSTEP_REDIS_URL": "redis://127.0.0.1:1", "LOCKSTEP_RANKS": "abc"}
+    p = subprocess.run([sys.executable, "-m", "services.admin.cli", "scheduler"], capture_output=True, text=True,
+                       timeout=60, env=env, cwd=ROOT)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "LOCKSTEP_RANKS='abc'" in p.stderr and "whole number" in p.stderr
+    assert "Traceback" not in p.stderr
