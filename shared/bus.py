@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import re
 import sys
 import signal
@@ -19,6 +18,8 @@ import uuid
 from typing import Any, Awaitable, Callable, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import FullJitterBackoff
 from redis.exceptions import ClusterDownError, ReadOnlyError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
@@ -185,56 +186,53 @@ def entry_id_key(entry_id: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-class Backoff:
-    """Exponential backoff with full jitter, for reconnect loops."""
+def _retryable(exc: BaseException) -> bool:
+    # NOGROUP: a restarted server lost the consumer group; ``on_retry`` recreates it.
+    return is_transient(exc) or (isinstance(exc, ResponseError) and "NOGROUP" in str(exc))
 
-    def __init__(self, base_s: float = 0.05, cap_s: float = 2.0) -> None:
-        self.base_s, self.cap_s, self.attempt = base_s, cap_s, 0
 
-    def next_delay(self) -> float:
-        self.attempt += 1
-        return random.uniform(0, min(self.cap_s, self.base_s * 2 ** self.attempt))
-
-    def reset(self) -> None:
-        self.attempt = 0
+# Full jitter, 50 ms doubling to a 2 s cap, with no retry limit: a service outlasts a Redis
+# restart (a client's own Retry gives up after a few seconds). Stateless: one for every call.
+_RETRY = Retry(FullJitterBackoff(cap=2.0, base=0.05), retries=-1, supported_errors=(ResponseError, *TRANSIENT))
 
 
 async def retrying(op: Callable[[], Awaitable[T]], *, log: Any = None, what: str = "redis",
                    stop: asyncio.Event | None = None, give_up_s: float | None = None,
                    on_retry: Callable[[], Awaitable[None]] | None = None) -> T:
     """Run ``op`` until it succeeds, backing off on transient connection errors (and on a
-    consumer group lost with a restarted server, after ``on_retry`` recreated it)."""
-    backoff = Backoff()
+    consumer group lost with a restarted server, after ``on_retry`` recreated it); give up
+    (re-raise) once ``stop`` is set or ``give_up_s`` has passed."""
     loop = asyncio.get_running_loop()
     started = loop.time()
-    while True:
-        try:
-            result = await op()
-            if backoff.attempt and log is not None:
-                log.info("redis_reconnected", what=what, attempts=backoff.attempt)
-            return result
-        except (ResponseError, *TRANSIENT) as exc:
-            if isinstance(exc, ResponseError) and not is_transient(exc) and "NOGROUP" not in str(exc):
-                raise
-            if stop is not None and stop.is_set():
-                raise
-            if give_up_s is not None and loop.time() - started > give_up_s:
-                raise
-            delay = backoff.next_delay()
-            if log is not None and (backoff.attempt in (1, 2, 4, 8) or backoff.attempt % 32 == 0):
-                log.warning("redis_unavailable", what=what, error=str(exc), retry_in_s=round(delay, 3),
-                            attempt=backoff.attempt)
-            await asyncio.sleep(delay)
-            if on_retry is not None:
-                try:
-                    await on_retry()
-                except (ResponseError, *TRANSIENT):
-                    pass
+    failures = 0
+
+    async def attempt() -> T:
+        if failures and on_retry is not None:
+            try:   # after the backoff, so a server that came back meanwhile gets its groups first
+                await on_retry()
+            except (ResponseError, *TRANSIENT):
+                pass
+        return await op()
+
+    async def fail(exc: Exception, n: int) -> None:
+        nonlocal failures
+        failures = n
+        if (stop is not None and stop.is_set()) or (give_up_s is not None and loop.time() - started > give_up_s):
+            raise exc
+        if log is not None and (n in (1, 2, 4, 8) or n % 32 == 0):
+            log.warning("redis_unavailable", what=what, error=str(exc), attempt=n)
+
+    result = await _RETRY.call_with_retry(attempt, fail, is_retryable=_retryable, with_failure_count=True)
+    if failures and log is not None:
+        log.info("redis_reconnected", what=what, attempts=failures)
+    return result
 
 
 class Recorder:
     """Records pipeline commands so they can be replayed on a fresh pipeline after a
-    connection error (redis-py clears a pipeline's stack when execute() fails)."""
+    connection error. Kept over redis-py's own pipeline replay: that one is bounded by the
+    client's retry count and clears the stack when execute() finally fails, where ours
+    outlasts a restart and runs ``on_retry`` between tries."""
 
     __slots__ = ("ops",)
 
