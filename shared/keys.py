@@ -77,12 +77,8 @@ class Keys:
 
     @property
     def snapshot(self) -> str:
-        """Hash: the last finalized step-consistent load view."""
-        return f"{self.ns}:snapshot"
-
-    @property
-    def snapshot_channel(self) -> str:
-        """Pub/sub channel: each new snapshot, published by the scheduler."""
+        """Hash: the last finalized step-consistent load view; also the pub/sub channel
+        each new one is published on (channels and keys are separate names in Redis)."""
         return f"{self.ns}:snapshot"
 
     @property

@@ -54,7 +54,7 @@ async def _publish_until_seen(r, keys: K.Keys, policy: RecordingPolicy, seq: int
         policy.fed.clear()
         pipe = r.pipeline(transaction=True)
         pipe.hset(keys.snapshot, mapping={"json": _blob(seq), "seq": seq})
-        pipe.publish(keys.snapshot_channel, _blob(seq))
+        pipe.publish(keys.snapshot, _blob(seq))
         await pipe.execute()
         try:
             await asyncio.wait_for(policy.fed.wait(), 0.2)

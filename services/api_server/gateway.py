@@ -306,7 +306,7 @@ class Gateway:
         while True:
             pubsub = self.r.pubsub()
             try:
-                await pubsub.subscribe(self.keys.snapshot_channel)
+                await pubsub.subscribe(self.keys.snapshot)
                 blob = await self.r.hget(self.keys.snapshot, "json")
                 if blob:
                     self._on_snapshot(blob)

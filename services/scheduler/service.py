@@ -439,7 +439,7 @@ class SchedulerService:
         blob = dumps(newest.to_dict())
         pipe.hset(self.keys.snapshot, mapping={"json": blob, "seq": newest.seq, "wave": newest.wave,
                                                "step": newest.step, "t": newest.t})
-        pipe.publish(self.keys.snapshot_channel, blob)
+        pipe.publish(self.keys.snapshot, blob)
         self.last_snapshot = newest
         self.counters["snapshots"] += len(snaps)
         if self.batching:
