@@ -451,3 +451,19 @@ def test_seeded_kv_pressure_matches_fault_free_run():
         assert "error" not in got_f.values()
         preempting += s.num_preemptions > 0
     assert preempting >= 20, f"only {preempting} of 60 workloads preempted"
+
+
+def test_postprocess_without_streaming_reports_only_first_tokens_and_finishes():
+    """``stream=False`` (the simulator's runner) skips the Output of every decode that goes
+    on; the finishing Output still carries every token since the sequence's last one."""
+    s = sched(budget=64)
+    s.add(make("a", 4, 5))
+    seen = []
+    for step in range(10):
+        plan = s.schedule()
+        sampled = {c.seq_id: 100 + step for c in plan.chunks if c.sample}
+        seen.append([(o.pos, o.new_tokens, o.finish_reason)
+                     for o in s.postprocess(plan, sampled, float(step), stream=False)])
+        if not s.has_work():
+            break
+    assert seen == [[(0, [100], None)], [], [], [], [(1, [101, 102, 103, 104], "length")]]

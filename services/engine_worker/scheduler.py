@@ -353,10 +353,13 @@ class EngineScheduler:
         plan.max_context = max_ctx
         return plan
 
-    def postprocess(self, plan: StepPlan, sampled: dict[str, int], now: float) -> list[Output]:
+    def postprocess(self, plan: StepPlan, sampled: dict[str, int], now: float,
+                    stream: bool = True) -> list[Output]:
         """Apply a computed step: advance every chunk, append sampled tokens, finish
         sequences (EOS, stop string, max_tokens) and free their blocks. Chunks of
-        sequences aborted since ``schedule`` are ignored."""
+        sequences aborted since ``schedule`` are ignored. ``stream=False`` (a runner that
+        only needs first tokens and finishes, as the simulator) skips the Output of a
+        decode that goes on: the next Output of that sequence carries its tokens."""
         outs: list[Output] = []
         finished = False
         reason_of = self._finish_reason
@@ -372,6 +375,8 @@ class EngineScheduler:
             params = seq.params
             n = len(gen)
             if tok != EOS and seq.stop_checker is None and n < params.max_tokens and not params.stop_token_ids:
+                if not stream:
+                    continue
                 reason = None                  # the common case, without a call
             else:
                 reason = reason_of(seq, tok)

@@ -244,7 +244,7 @@ class EngineGroup:
             sched[r] = plan.num_tokens
             pf[r] = plan.prefill_tokens
             dec[r] = plan.decode_tokens
-            outs = rs.core.postprocess(plan, model.run(plan), t_end)
+            outs = rs.core.postprocess(plan, model.run(plan), t_end, stream=False)
             for o in outs:
                 if o.pos == 0 and o.new_tokens:
                     firsts.append(int(o.seq.id))
