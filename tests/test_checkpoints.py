@@ -218,10 +218,10 @@ def test_two_and_four_ep_ranks_match_transformers(checkpoints, tmp_path):
 
 @pytest.mark.slow
 def test_bench_reports_steps_and_collective_share_for_a_checkpoint(checkpoints, capsys):
-    from services.engine_worker.model import bench
+    from services.engine_worker.model import decode_bench
 
     path = str(checkpoints["mixtral"][0])
-    assert bench.main(["--model", path, "--ranks", "2", "--seqs", "4", "--prompt-len", "8", "--steps", "3",
+    assert decode_bench.main(["--model", path, "--ranks", "2", "--seqs", "4", "--prompt-len", "8", "--steps", "3",
                        "--warmup", "1", "--idle-steps", "2", "--json", "--timeout", "120"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["model"] == path and out["ranks"] == 2

@@ -123,7 +123,7 @@ def _stat(t: float, step: int, rank: int, scheduled: int, idle: bool = False) ->
 
 
 def test_bench_report_without_step_stats_is_an_error_with_null_figures():
-    from services.admin.bench_cmd import engine_report
+    from services.admin.bench_measures import engine_report
 
     sm = engine_report([], 2, 100.0, 200.0, "wrongns", "redis://user:secret@db:6379/0")
     assert sm["steps"] == 0 and sm["work_steps"] == 0
@@ -140,7 +140,7 @@ def test_bench_report_without_step_stats_is_an_error_with_null_figures():
 
 
 def test_bench_report_with_step_stats_has_figures_and_no_error():
-    from services.admin.bench_cmd import engine_report
+    from services.admin.bench_measures import engine_report
 
     rows = [_stat(150.0, 1, 0, 10), _stat(150.0, 1, 1, 0, idle=True),
             _stat(151.0, 2, 0, 4), _stat(151.0, 2, 1, 4)]
@@ -182,12 +182,12 @@ def test_lockstep_bench_json_without_step_stats_exits_1_with_error(monkeypatch):
     import typer
     from typer.testing import CliRunner
 
-    from services.admin import bench_cmd
+    from services.admin import bench_cmd, bench_measures
 
     async def fake_run_bench(url, redis_url, namespace, *a, **kw):
         doc = {"url": url, "namespace": namespace, "model": "m", "trace": "poisson", "requests": 1,
                "completed": 1, "failed": 0, "throughput_tok_s": 10.0}
-        doc.update(bench_cmd.engine_report([], 2, 0.0, 1.0, namespace, redis_url))
+        doc.update(bench_measures.engine_report([], 2, 0.0, 1.0, namespace, redis_url))
         return doc
 
     monkeypatch.setattr(bench_cmd, "run_bench", fake_run_bench)
