@@ -1,93 +1,130 @@
-"""Messages that cross Redis, and their codec.
+"""Messages that cross Redis: one msgspec Struct each, at once definition, validation
+and wire form.
 
-Every stream entry carries one field ``d`` holding an orjson document; the document's
-``k`` names its kind. Dataclasses keep the shapes explicit; the codec turns them into
-compact dicts (short keys, since they are written on every step).
+Every stream entry carries one field ``d`` holding a JSON document; a tagged message's
+``k`` names its kind. Keys are short (they are written with every step and token), and a
+field at its default is left out (``omit_defaults``), so a newer optional field costs
+nothing. The few keys the first codec always wrote stay always written, so a rank of an
+older release reads what a newer one writes during a rolling restart (docs/redis-keys.md,
+*Message shapes*). Readers ignore keys they do not know.
+
+Two fields travel in a denser form than they live in memory: a prompt of byte-sized token
+ids as one hex string (half the size of a JSON list and four times quicker to read), and
+``logit_bias`` as ``[id, bias]`` pairs (JSON object keys are strings). ``encode`` writes
+those forms; decoding accepts both forms of each.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import orjson
+from msgspec import Struct, field
 
 FIELD = b"d"
 
+_encoder = msgspec.json.Encoder()
+T = TypeVar("T")
+
+
+class MessageError(ValueError):
+    """A malformed message: which kind, and what is wrong where (wire key path)."""
+
+
+def encode(msg: Struct) -> bytes:
+    """A message's wire form (the value of an entry's ``d`` field)."""
+    if type(msg) is Request:
+        msg = msg._wire()
+    return _encoder.encode(msg)
+
 
 def dumps(obj: Any) -> bytes:
+    """Any document: messages through ``encode``, plain values through orjson."""
+    if isinstance(obj, Struct):
+        return encode(obj)
     return orjson.dumps(obj)
 
 
-def loads(raw: bytes | str) -> Any:
-    return orjson.loads(raw)
+def loads(raw: bytes | str) -> dict[str, Any]:
+    """An entry's document. Not a JSON object: MessageError (``bus.decode_entries`` turns
+    both into a ``corrupt`` entry, so a reader's ``doc.get`` never meets a list or a number)."""
+    doc = orjson.loads(raw)
+    if type(doc) is not dict:
+        raise MessageError(f"an entry must hold a JSON object, not {type(doc).__name__}")
+    return doc
 
 
-@dataclass(slots=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    top_k: int = -1                    # -1 or 0: no cut
-    min_p: float = 0.0
-    presence_penalty: float = 0.0      # over the generated tokens (OpenAI's)
-    frequency_penalty: float = 0.0     # over the generated tokens (OpenAI's)
-    repetition_penalty: float = 1.0    # over prompt + generated tokens (vLLM's / HF's)
-    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
-    min_tokens: int = 0                # no EOS / stop token / stop string before this many tokens
-    stop_token_ids: list[int] = field(default_factory=list)     # finish ("stop") on any of these
-    logprobs: int | None = None        # None: none; k: the sampled token's logprob + the top k
-    prompt_logprobs: int | None = None  # the same for every prompt token but the first (echo)
-    guide: list[str] | None = None     # structured output: [kind, text] (shared/grammar.py)
+def convert(doc: Any, cls: type[T], *, strict: bool = True) -> T:
+    """A decoded document (``bus.decode_entries`` gives dicts) as message ``cls``;
+    raises MessageError naming what is wrong."""
+    try:
+        return msgspec.convert(doc, cls, strict=strict)
+    except msgspec.ValidationError as exc:
+        raise MessageError(f"malformed {_name(cls)} message: {exc}") from None
+
+
+def decode(raw: bytes | str, cls: type[T]) -> T:
+    """Raw JSON straight to message ``cls`` (no intermediate dict); raises MessageError."""
+    try:
+        return msgspec.json.decode(raw, type=cls)
+    except msgspec.DecodeError as exc:   # ValidationError included
+        raise MessageError(f"malformed {_name(cls)} message: {exc}") from None
+
+
+def _name(cls: Any) -> str:
+    return getattr(cls, "__name__", None) or str(cls).replace(f"{__name__}.", "")
+
+
+class SamplingParams(Struct, omit_defaults=True):
+    # The first six are always written (readers before msgspec require them): msgspec
+    # omits a default that is a value or an empty builtin collection, never one made by
+    # a factory of our own.
+    max_tokens: int = field(default_factory=lambda: 16, name="mt")
+    temperature: float = field(default_factory=lambda: 1.0, name="te")
+    top_p: float = field(default_factory=lambda: 1.0, name="tp")
+    seed: int | None = field(default_factory=lambda: None, name="sd")
+    stop: list[str] = field(default_factory=lambda: [], name="st")
+    ignore_eos: bool = field(default_factory=lambda: False, name="ie")
+    top_k: int = field(default=-1, name="tk")                  # -1 or 0: no cut
+    min_p: float = field(default=0.0, name="mp")
+    presence_penalty: float = field(default=0.0, name="pp")   # over the generated tokens (OpenAI's)
+    frequency_penalty: float = field(default=0.0, name="fp")  # over the generated tokens (OpenAI's)
+    repetition_penalty: float = field(default=1.0, name="rp")  # over prompt + generated (vLLM's / HF's)
+    # token id -> added to its logit; [[id, bias], ...] on the wire (see the module docstring)
+    logit_bias: dict[int, float] | list[tuple[int, float]] = field(default_factory=dict, name="lb")
+    min_tokens: int = field(default=0, name="mn")             # no EOS / stop token / stop string before
+    stop_token_ids: list[int] = field(default_factory=list, name="si")   # finish ("stop") on any of these
+    logprobs: int | None = field(default=None, name="lp")     # None: none; k: the sampled token's + top k
+    prompt_logprobs: int | None = field(default=None, name="pl")  # the same for every prompt token but the first
+    guide: list[str] | None = field(default=None, name="gd")  # structured output: [kind, text] (shared/grammar.py)
+
+    def __post_init__(self) -> None:
+        if type(self.logit_bias) is list:
+            self.logit_bias = dict(self.logit_bias)
 
     @property
     def penalized(self) -> bool:
         """True when sampling needs the sequence's token history."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    def _wire(self) -> "SamplingParams":
+        if not self.logit_bias:
+            return self
+        w = self.__copy__()      # a shallow copy: no __post_init__, this object untouched
+        w.logit_bias = [(t, b) for t, b in self.logit_bias.items()]   # type: ignore[assignment]
+        return w
+
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"mt": self.max_tokens, "te": self.temperature, "tp": self.top_p,
-                             "sd": self.seed, "st": self.stop, "ie": self.ignore_eos}
-        # Newer keys only when not at their default: the wire stays what older readers know.
-        if self.top_k > 0:
-            d["tk"] = self.top_k
-        if self.min_p:
-            d["mp"] = self.min_p
-        if self.presence_penalty:
-            d["pp"] = self.presence_penalty
-        if self.frequency_penalty:
-            d["fp"] = self.frequency_penalty
-        if self.repetition_penalty != 1.0:
-            d["rp"] = self.repetition_penalty
-        if self.logit_bias:
-            d["lb"] = [[t, b] for t, b in self.logit_bias.items()]   # JSON keys are strings: pairs
-        if self.min_tokens:
-            d["mn"] = self.min_tokens
-        if self.stop_token_ids:
-            d["si"] = self.stop_token_ids
-        if self.logprobs is not None:
-            d["lp"] = self.logprobs
-        if self.prompt_logprobs is not None:
-            d["pl"] = self.prompt_logprobs
-        if self.guide is not None:
-            d["gd"] = self.guide
-        return d
+        return msgspec.to_builtins(self._wire())
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
-        return cls(max_tokens=d["mt"], temperature=d["te"], top_p=d["tp"], seed=d["sd"],
-                   stop=list(d["st"]), ignore_eos=d["ie"], top_k=d.get("tk", -1), min_p=d.get("mp", 0.0),
-                   presence_penalty=d.get("pp", 0.0), frequency_penalty=d.get("fp", 0.0),
-                   repetition_penalty=d.get("rp", 1.0), logit_bias={int(t): b for t, b in d.get("lb", ())},
-                   min_tokens=d.get("mn", 0), stop_token_ids=list(d.get("si", ())), logprobs=d.get("lp"),
-                   prompt_logprobs=d.get("pl"), guide=d.get("gd"))
+    def from_dict(cls, d: Any) -> "SamplingParams":
+        return convert(d, cls)
 
 
-@dataclass(slots=True)
-class Request:
+# dict=True: room for the prompt's hex form (not a field, never encoded as itself).
+class Request(Struct, tag="req", tag_field="k", omit_defaults=True, dict=True):
     """A generation request on its way from an api-server to a rank.
 
     ``generated`` holds tokens already streamed to the client: a request resumed on
@@ -96,124 +133,125 @@ class Request:
 
     id: str
     api: str                       # owning api-server: deltas go to its output stream
-    prompt: list[int]              # token ids (byte-level tokenizer)
-    params: SamplingParams
-    arrival: float                 # unix seconds when the api-server accepted it
-    rank: int | None = None        # explicit rank (data_parallel_rank) or assigned rank
-    batch: str | None = None       # staggered batch id
-    batch_counts: list[int] | None = None  # per-rank counts of that batch
-    generated: list[int] = field(default_factory=list)
-    dispatcher: str | None = None  # who placed it (Assignment.dispatcher) ...
-    dispatch_seq: int = 0          # ... and its per-(dispatcher, rank) seq, echoed in RankStats.recv
-    epoch: int = 0                 # bumped on each resume; deltas of an older epoch are ignored
-    # The prompt as it came off the wire (hex), reused when the request is written on
-    # (scheduler -> inbox) instead of re-encoding it token by token. Prompts never change.
-    prompt_wire: str | None = field(default=None, repr=False, compare=False)
+    prompt: list[int] | str = field(name="p")   # token ids; hex on the wire (a list after decoding)
+    params: SamplingParams = field(name="sp")
+    arrival: float = field(name="at")            # unix seconds when the api-server accepted it
+    rank: int | None = field(default=None, name="r")     # explicit (data_parallel_rank) or assigned rank
+    batch: str | None = field(default=None, name="b")    # staggered batch id
+    batch_counts: list[int] | None = field(default=None, name="bc")  # per-rank counts of that batch
+    generated: list[int] = field(default_factory=list, name="g")
+    dispatcher: str | None = field(default=None, name="dp")  # who placed it (Assignment.dispatcher) ...
+    dispatch_seq: int = field(default=0, name="ds")  # ... its per-(dispatcher, rank) seq, echoed in RankStats.recv
+    epoch: int = field(default=0, name="ep")     # bumped on each resume; deltas of an older epoch are ignored
+
+    def __post_init__(self) -> None:
+        p = self.prompt
+        if type(p) is str:
+            # Kept: written on unchanged (scheduler -> inbox); prompts never change.
+            self.prompt_wire = p
+            self.prompt = list(bytes.fromhex(p))   # ValueError: msgspec reports it as invalid
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt)
 
+    def _wire(self) -> "Request":
+        hexed = self.__dict__.get("prompt_wire")
+        if hexed is None:
+            try:
+                hexed = bytes(self.prompt).hex()
+            except ValueError:   # an id above 255 (a real tokenizer's): a JSON list
+                hexed = ""
+            self.prompt_wire = hexed
+        params = self.params._wire()
+        if not hexed and params is self.params:
+            return self
+        w = self.__copy__()
+        if hexed:
+            w.prompt = hexed
+        w.params = params
+        return w
+
     def to_dict(self) -> dict[str, Any]:
-        if self.prompt_wire is None:
-            self.prompt_wire = bytes(self.prompt).hex() if _all_bytes(self.prompt) else ""
-        d: dict[str, Any] = {"k": "req", "id": self.id, "api": self.api,
-                             "p": self.prompt_wire or self.prompt,
-                             "sp": self.params.to_dict(), "at": self.arrival}
-        if self.rank is not None:
-            d["r"] = self.rank
-        if self.batch is not None:
-            d["b"] = self.batch
-            d["bc"] = self.batch_counts
-        if self.generated:
-            d["g"] = self.generated
-        if self.dispatcher is not None:
-            d["dp"] = self.dispatcher
-            d["ds"] = self.dispatch_seq
-        if self.epoch:
-            d["ep"] = self.epoch
-        return d
+        return msgspec.to_builtins(self._wire())
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Request":
-        p = d["p"]
-        prompt = list(bytes.fromhex(p)) if isinstance(p, str) else list(p)
-        wire = p if isinstance(p, str) else None
-        return cls(id=d["id"], api=d["api"], prompt=prompt,
-                   params=SamplingParams.from_dict(d["sp"]), arrival=d["at"],
-                   rank=d.get("r"), batch=d.get("b"), batch_counts=d.get("bc"),
-                   generated=list(d.get("g", ())), dispatcher=d.get("dp"), dispatch_seq=d.get("ds", 0),
-                   epoch=d.get("ep", 0), prompt_wire=wire)
+    def from_dict(cls, d: Any) -> "Request":
+        return convert(d, cls)
 
 
-def _all_bytes(tokens: list[int]) -> bool:
-    return all(0 <= t < 256 for t in tokens)
-
-
-@dataclass(slots=True)
-class Abort:
-    """Stop a request (client went away). Routed by the scheduler to the owning rank."""
+class Abort(Struct, tag="abort", tag_field="k"):
+    """Stop a request (client went away). Routed by the scheduler to the owning rank.
+    Every key always written (tiny, rare, and older readers expect ``why``)."""
 
     id: str
-    rank: int | None = None
-    reason: str = "client_disconnected"
+    rank: int | None = field(default=None, name="r")
+    reason: str = field(default="client_disconnected", name="why")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"k": "abort", "id": self.id, "r": self.rank, "why": self.reason}
+        return msgspec.to_builtins(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Abort":
-        return cls(id=d["id"], rank=d.get("r"), reason=d.get("why", ""))
+    def from_dict(cls, d: Any) -> "Abort":
+        return convert(d, cls)
 
 
-@dataclass(slots=True)
-class Delta:
+class Delta(Struct, omit_defaults=True):
     """New tokens of one request. ``pos`` is the index of the first token in ``tokens``
     among the request's generated tokens, so a reader drops anything it already has:
     a redelivery or a resumed request never duplicates text."""
 
     id: str
-    pos: int
-    tokens: list[int]
-    finish: str | None = None      # "stop" | "length" | "abort" | "error"
-    prompt_tokens: int = 0
-    rank: int = -1
-    error: str | None = None
-    epoch: int = 0                 # the request's resume epoch on the rank that produced it
+    pos: int = field(name="o")
+    tokens: list[int] = field(name="t")
+    finish: str | None = field(default=None, name="f")   # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = field(default=0, name="pt")     # read with ``finish``: set it on the final delta only
+    rank: int = field(default=-1, name="r")
+    error: str | None = field(default=None, name="e")
+    epoch: int = field(default=0, name="ep")             # the request's resume epoch on the rank that produced it
     # Logprobs, only when asked for (SamplingParams.logprobs / prompt_logprobs). One entry
     # per token of ``tokens``: [logprob, [[id, logprob], ...top k]]. ``prompt_lp`` holds the
     # entries of prompt positions ``prompt_lp_pos`` on (position 0 has none).
-    logprobs: list[Any] | None = None
-    prompt_lp: list[Any] | None = None
-    prompt_lp_pos: int = 1
+    logprobs: list[Any] | None = field(default=None, name="lp")
+    prompt_lp: list[Any] | None = field(default=None, name="pl")
+    prompt_lp_pos: int = field(default=1, name="plo")
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"id": self.id, "o": self.pos, "t": self.tokens, "r": self.rank}
-        if self.epoch:
-            d["ep"] = self.epoch
-        if self.logprobs is not None:
-            d["lp"] = self.logprobs
-        if self.prompt_lp is not None:
-            d["pl"] = self.prompt_lp
-            d["plo"] = self.prompt_lp_pos
-        if self.finish is not None:
-            d["f"] = self.finish
-            d["pt"] = self.prompt_tokens
-        if self.error is not None:
-            d["e"] = self.error
-        return d
+        return msgspec.to_builtins(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Delta":
-        return cls(id=d["id"], pos=d["o"], tokens=d["t"], finish=d.get("f"),
-                   prompt_tokens=d.get("pt", 0), rank=d.get("r", -1), error=d.get("e"), epoch=d.get("ep", 0),
-                   logprobs=d.get("lp"), prompt_lp=d.get("pl"), prompt_lp_pos=d.get("plo", 1))
+    def from_dict(cls, d: Any) -> "Delta":
+        return convert(d, cls)
+
+
+class Outputs(Struct, tag="out", tag_field="k"):
+    """One output-stream entry: all deltas of one step for one api-server."""
+
+    ds: list[Delta]
+
+
+class Resume(Struct, tag="resume", tag_field="k"):
+    """Output-stream notice: these requests' rank is gone; the api-server resubmits each
+    with the tokens its client already has."""
+
+    ids: list[str]
 
 
 def encode_deltas(deltas: list[Delta]) -> bytes:
-    """One output-stream entry holds all deltas of one step for one api-server."""
-    return orjson.dumps({"k": "out", "ds": [x.to_dict() for x in deltas]})
+    """One output-stream entry holds all deltas of one step for one api-server. Written
+    as given: the engine sets ``prompt_tokens`` on final deltas only."""
+    return _encoder.encode(Outputs(deltas))
 
 
-def decode_entry(raw: bytes) -> dict[str, Any]:
-    return orjson.loads(raw)
+def output_entry(doc: Any) -> "Outputs | Resume":
+    """An output-stream document as its message (by ``k``); MessageError otherwise."""
+    return convert(doc, Outputs | Resume)
+
+
+def request_owner(doc: dict[str, Any]) -> tuple[str, str] | None:
+    """(api, id) of a request entry's document, for its ``resume`` notice; None for an
+    abort, a corrupt entry or a request too malformed to name its owner."""
+    api, rid = doc.get("api"), doc.get("id")
+    if doc.get("k") == "req" and type(api) is str and type(rid) is str:
+        return api, rid
+    return None

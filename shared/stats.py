@@ -1,13 +1,21 @@
-"""Per-rank step statistics and the step-consistent snapshot built from them."""
+"""Per-rank step statistics and the step-consistent snapshot built from them.
+
+msgspec Structs (shared/messages.py): their JSON is what ``ls:stats``, ``ls:step:*``,
+``ls:rank:{r}:info`` ``stats``, ``ls:steps`` and ``ls:snapshot`` hold. Full key names, every
+field always written: operators and the admin commands read these rows as plain JSON.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import msgspec
+from msgspec import Struct, field
 
-@dataclass(slots=True)
-class RankStats:
+from shared import messages
+
+
+class RankStats(Struct):
     """What one DP rank reports after each step (wave, step)."""
 
     rank: int
@@ -35,16 +43,14 @@ class RankStats:
         return self.kv_used / self.kv_total if self.kv_total else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return msgspec.to_builtins(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RankStats":
-        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        return cls(**known)
+    def from_dict(cls, d: Any) -> "RankStats":
+        return messages.convert(d, cls)   # unknown keys ignored (a newer rank's), wrong types refused
 
 
-@dataclass(slots=True)
-class Snapshot:
+class Snapshot(Struct):
     """A point-in-time load view: every live rank's stats for one finalized (wave, step)."""
 
     wave: int
@@ -59,16 +65,13 @@ class Snapshot:
         return (self.wave, self.step)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "wave": self.wave, "step": self.step, "t": self.t, "seq": self.seq,
-            "carried": list(self.carried),
-            "ranks": {str(r): s.to_dict() for r, s in self.ranks.items()},
-        }
+        return msgspec.to_builtins(self, str_keys=True)   # rank keys as JSON has them
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Snapshot":
-        return cls(
-            wave=int(d["wave"]), step=int(d["step"]), t=float(d["t"]), seq=int(d.get("seq", 0)),
-            carried=tuple(d.get("carried", ())),
-            ranks={int(r): RankStats.from_dict(s) for r, s in d["ranks"].items()},
-        )
+    def from_dict(cls, d: Any) -> "Snapshot":
+        return messages.convert(d, cls, strict=False)   # not strict: the rank keys come as strings
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "Snapshot":
+        """From the published JSON, without an intermediate dict."""
+        return messages.decode(raw, cls)

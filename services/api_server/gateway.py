@@ -16,7 +16,7 @@ from typing import Any
 
 from shared import keys as K
 from shared.bus import decode_entries, same_data, server_run_id
-from shared.messages import FIELD, Abort, Delta, Request, dumps
+from shared.messages import FIELD, Abort, Delta, MessageError, Request, Resume, encode, output_entry
 from shared.policy.base import RequestInfo
 from shared.stats import Snapshot
 from shared.wake import wake_if_paused
@@ -162,9 +162,9 @@ class Gateway:
             req.rank, req.dispatcher, req.dispatch_seq = a.rank, a.dispatcher, a.seq
         if req.rank is not None and self.client_dispatch:
             self.rank_of[req.id] = req.rank
-            self._enqueue(self.keys.inbox(req.rank), dumps(req.to_dict()), req.id)
+            self._enqueue(self.keys.inbox(req.rank), encode(req), req.id)
         else:
-            self._enqueue(self.keys.requests, dumps(req.to_dict()), req.id)
+            self._enqueue(self.keys.requests, encode(req), req.id)
         return ch
 
     def abort(self, rid: str, reason: str = "client_disconnected") -> None:
@@ -174,7 +174,7 @@ class Gateway:
             return
         rank = self.rank_of.pop(rid, None)
         stream = self.keys.inbox(rank) if rank is not None else self.keys.requests
-        self._enqueue(stream, dumps(Abort(rid, rank, reason).to_dict()), None)
+        self._enqueue(stream, encode(Abort(rid, rank, reason)), None)
 
     def release(self, rid: str) -> None:
         self.channels.pop(rid, None)
@@ -241,16 +241,35 @@ class Gateway:
             now = time.monotonic()
             for _, eid, doc in decode_entries(resp):
                 last = eid
-                if doc.get("k") == "resume":
-                    self._resume(doc.get("ids", ()))
+                try:
+                    msg = output_entry(doc)
+                except MessageError as exc:   # skipped, never fatal: every request's tokens come here
+                    self._salvage(eid, doc, exc, now)
+                    continue
+                if type(msg) is Resume:
+                    self._resume(msg.ids)
                     continue
                 if trace.ENABLED:
                     trace.mark("api_read")
-                for raw in doc.get("ds", ()):
-                    d = Delta.from_dict(raw)
+                for d in msg.ds:
                     ch = self.channels.get(d.id)
                     if ch is not None:
                         ch.feed(d, now)
+
+    def _salvage(self, eid: bytes, doc: dict[str, Any], exc: MessageError, now: float) -> None:
+        """A malformed output entry: log it, and feed what deltas in it are whole (one
+        bad delta must not become a token gap for the other requests of its step)."""
+        if self.log is not None:
+            self.log.error("bad_output_entry", entry=eid.decode(), error=str(exc)[:300])
+        ds = doc.get("ds") if doc.get("k") == "out" else None
+        for raw in ds if isinstance(ds, list) else ():
+            try:
+                d = Delta.from_dict(raw)
+            except MessageError:
+                continue
+            ch = self.channels.get(d.id)
+            if ch is not None:
+                ch.feed(d, now)
 
     def _resume(self, ids: Any) -> None:
         """The scheduler found these requests on a dead rank: resubmit each with the tokens
@@ -266,7 +285,7 @@ class Gateway:
             req.rank = req.dispatcher = req.batch = req.batch_counts = None
             req.dispatch_seq = 0
             self.rank_of.pop(rid, None)
-            self._enqueue(self.keys.requests, dumps(req.to_dict()), rid)
+            self._enqueue(self.keys.requests, encode(req), rid)
             if self.metrics is not None:
                 self.metrics.resumed.inc()
         if self.log is not None:
@@ -335,13 +354,14 @@ class Gateway:
             self._on_snapshot(blob)
 
     def _on_snapshot(self, blob: bytes) -> None:
-        snap = Snapshot.from_dict(_loads(blob))
+        try:
+            snap = Snapshot.decode(blob)
+        except MessageError as exc:   # skipped: the next one comes a step later
+            if self.log is not None:
+                self.log.error("bad_snapshot", error=str(exc)[:300])
+            return
         if self.client_dispatch and self.policy is not None:
             self.policy.on_snapshot(snap)
         if self.metrics is not None:
             self.metrics.observe_snapshot(snap)
 
-
-def _loads(b: bytes) -> Any:
-    import orjson
-    return orjson.loads(b)

@@ -24,7 +24,7 @@ from shared.bus import (Recorder, atomic, decode_entries, ensure_group, entry_id
                         open_service_connection, retrying)
 from shared.cost_model import CostModel
 from shared.logging import configure
-from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
+from shared.messages import FIELD, Abort, Delta, MessageError, Request, dumps, encode_deltas, request_owner
 from shared.settings import EngineSettings
 from shared.stats import RankStats
 from services.engine_worker.block_manager import BlockManager
@@ -313,7 +313,12 @@ class EngineWorker(GroupMembership):
         for eid, doc in fetched:
             kind = doc.get("k")
             if kind == "req":
-                req = Request.from_dict(doc)
+                try:
+                    req = Request.from_dict(doc)
+                except MessageError as exc:   # malformed for good: drop it, keep stepping
+                    self._acks.append(eid)
+                    self.log.error("bad_inbox_entry", entry=eid.decode(), error=str(exc))
+                    continue
                 if req.id in self.entry_of:          # already running here
                     if self.entry_of[req.id] != eid:  # a second dispatch of it: drop that copy
                         self._acks.append(eid)
@@ -334,7 +339,12 @@ class EngineWorker(GroupMembership):
                 else:
                     self.rs.arrived(seq, time.monotonic())
             elif kind == "abort":
-                ab = Abort.from_dict(doc)
+                try:
+                    ab = Abort.from_dict(doc)
+                except MessageError as exc:
+                    self._acks.append(eid)
+                    self.log.error("bad_inbox_entry", entry=eid.decode(), error=str(exc))
+                    continue
                 seq = self.core.abort(ab.id)
                 self._acks.append(eid)
                 if seq is not None:
@@ -403,7 +413,8 @@ class EngineWorker(GroupMembership):
         lp = self.lp if self.lp.ids else None
         for out in outputs:
             seq = out.seq
-            delta = Delta(seq.id, out.pos, out.new_tokens, out.finish_reason, prompt_tokens=len(seq.prompt),
+            delta = Delta(seq.id, out.pos, out.new_tokens, out.finish_reason,
+                          prompt_tokens=len(seq.prompt) if out.finish_reason else 0,   # read with finish only
                           rank=self.rank, error=seq.error, epoch=seq.epoch)
             if lp is not None:
                 lp.fill(delta)
@@ -532,7 +543,8 @@ class EngineWorker(GroupMembership):
         if trace.ENABLED:
             trace.mark(f"rank_wake:{self.rank}")
         for eid, doc in arrived:
-            self.prefetched[eid] = doc.get("id") if doc.get("k") == "req" else None
+            owner = request_owner(doc)
+            self.prefetched[eid] = owner[1] if owner is not None else None
             self._fetch(eid, doc)
         if notified:
             return
@@ -578,8 +590,9 @@ class EngineWorker(GroupMembership):
             start = raw[-1][0]
             by_api: dict[str, list[str]] = defaultdict(list)
             for _, _, doc in decode_entries([(inbox.encode(), [e for e in raw if e[1] is not None])]):
-                if doc.get("k") == "req":
-                    by_api[doc["api"]].append(doc["id"])
+                owner = request_owner(doc)
+                if owner is not None:
+                    by_api[owner[0]].append(owner[1])
 
             async def send() -> None:
                 pipe = atomic(self.r, inbox)   # Redis Cluster: the notices, then the ack (shared/bus.py)

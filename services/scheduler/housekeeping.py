@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from shared import keys as K
 from shared.bus import atomic, decode_entries, entry_id_key
-from shared.messages import FIELD, dumps
+from shared.messages import FIELD, Resume, encode, request_owner
 
 RECOVERY_CONSUMER = "recovery"
 
@@ -91,7 +91,7 @@ async def _notify_and_ack(r: Redis, keys: K.Keys, inbox: str, entries: list[Any]
     _collect(entries, page)
     pipe = atomic(r, inbox)   # on Redis Cluster: the notices first, then the ack (shared/bus.py)
     for api, ids in page.items():
-        pipe.xadd(keys.out(api), {FIELD: dumps({"k": "resume", "ids": ids})},
+        pipe.xadd(keys.out(api), {FIELD: encode(Resume(ids))},
                   maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
     ack = ack if ack is not None else [eid for eid, _ in entries]
     if ack:
@@ -103,8 +103,9 @@ async def _notify_and_ack(r: Redis, keys: K.Keys, inbox: str, entries: list[Any]
 
 def _collect(entries: list[Any], by_api: dict[str, list[str]]) -> None:
     for _, _, doc in decode_entries([(b"inbox", entries)]):
-        if doc.get("k") == "req":
-            by_api.setdefault(doc["api"], []).append(doc["id"])
+        owner = request_owner(doc)
+        if owner is not None:
+            by_api.setdefault(owner[0], []).append(owner[1])
 
 
 async def trim_acked(r: Redis, keys: K.Keys, ranks: list[int]) -> None:
