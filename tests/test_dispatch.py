@@ -101,8 +101,8 @@ def test_recv_reconciliation_counts_each_dispatch_once():
     eng.received[1] = eng.inflight[1][:]; eng.inflight[1] = []
     snap = eng.snapshot()
     p.on_snapshot(snap)
-    assert p.unseen(0) == 1 and p.local_load(0) == 30      # seq 2 (30 tokens) not shown yet
-    assert p.unseen(1) == 0 and p.local_load(1) == 0
+    assert p.local_load(0) == 30                           # seq 2 (30 tokens) not shown yet
+    assert p.local_load(1) == 0
     assert p.scores() == {0: 10 + 30, 1: 20 + 40}            # each dispatch counted exactly once
     p.on_snapshot(snap)                                       # a repeated snapshot changes nothing
     assert p.snapshots_ignored == 1 and p.scores() == {0: 40, 1: 60}
@@ -123,7 +123,7 @@ def test_local_ttl_bounds_additions_an_engine_never_acknowledges():
     p.choose(req(0), 0.0)
     p.choose(req(1), 10.0)
     p.on_snapshot(Snapshot(0, 1, 10.0, {0: RankStats(0, 0, 1)}, seq=1))
-    assert p.unseen(0) == 1 and p.expired == 1
+    assert p.local_load(0) == 1 and p.expired == 1
 
 
 def test_ties_rotate_instead_of_favouring_low_ranks():
@@ -181,7 +181,7 @@ def test_explicit_request_is_counted_in_the_view():
     assert p.scores() == {0: 4.0, 1: 4.0}
     # a pinned request to a drained rank is recorded too
     b = p.note_explicit(req(3), 5, 0.0)
-    assert b.seq == 1 and p.unseen(5) == 1
+    assert b.seq == 1 and p.local_load(5) == 1
 
 
 def test_kv_penalty_steers_away_from_full_cache():
@@ -238,9 +238,19 @@ def test_snapshots_from_the_aggregator_drive_the_policy():
     agg = StepAggregator(range(2), grace_s=0.05)
     p = LeastScore(ranks=[0, 1])
     a = [p.choose(req(i), 0.0) for i in range(4)]         # 2 per rank, seqs 1 and 2
-    assert p.unseen(0) == p.unseen(1) == 2
+    assert p.local_load(0) == p.local_load(1) == 2
     agg.report(RankStats(0, 0, 1, waiting=2, recv={"scheduler": 2}), 0.01)
     snap = agg.report(RankStats(1, 0, 1, waiting=1, recv={"scheduler": 1}), 0.01)
     p.on_snapshot(snap)
-    assert p.unseen(0) == 0 and p.unseen(1) == 1
+    assert p.local_load(0) == 0 and p.local_load(1) == 1
     assert p.scores() == {0: 8.0, 1: 8.0} and {x.rank for x in a} == {0, 1}
+
+
+def test_unseen_sends_drop_exactly_what_the_engine_echoed():
+    from shared.policy.unseen import UnseenSends
+    u = UnseenSends()
+    assert [u.send(a, b, t) for a, b, t in ((10, 1, 0.0), (20, 2, 1.0), (30, 3, 2.0))] == [1, 2, 3]
+    assert u.reconcile(1) == (1, 0) and (u.amount, u.blocks, len(u)) == (50, 5, 2)
+    assert u.reconcile(1, sent_before=1.5) == (0, 1) and (u.amount, u.blocks) == (30, 3)
+    u.clear()
+    assert (u.amount, len(u)) == (0, 0) and u.send(5) == 4    # the seq keeps counting

@@ -1,57 +1,11 @@
-"""Per-step token alignment across DP ranks: one shared token budget per step.
+"""Coordinated prefill: one token budget ``T`` per step, shared by every DP rank.
 
-In DP+EP a step lasts as long as its busiest rank. Without alignment one rank prefills a
-2048-token chunk while the others decode a few dozen tokens, and the whole group waits
-for it (balance ratio ~0.05 for that step). Every rank already shares its planned tokens
-in the step collective before the forward; with two more numbers per rank every rank can
-compute, from the same rows, the same per-rank token **budget** ``T`` for this step and
-cap its own prefill so that ``decode + prefill <= T``. Big prefills then spread over
-several steps in which the other ranks compute about as much, instead of one step in which
-they idle.
-
-Pure: no I/O, no clock; the same functions run in the live worker and the simulator (both
-through services/engine_worker/rank_step.py), and every rank gets the same answer because
-it reads the same rows.
-
-Inputs per rank ``r`` (one row of the step collective)
-------------------------------------------------------
-* ``tokens[r]``: tokens its unconstrained plan would compute (decode + available prefill,
-  ``<= max_num_batched_tokens``): the existing ``F_TOKENS`` column;
-* ``decode[r]``: the decode tokens among them (never held back): new column ``F_DECODE``;
-* ``must[r]``: :func:`must_tokens`, decode + the prefill rate its own deadlines require this
-  step (computed by the rank from its own clock): new column ``F_MUST``.
-
-Rule (``shared_budget``)
-------------------------
-``avail[r] = tokens[r] - decode[r]`` (prefill it could do), ``D = max decode``.
-
-1. **Water level.** ``level = q-quantile over ranks of decode[r] + avail[r] / horizon``
-   (``q = spread``; 0 is the least loaded rank). When every rank has prefill, every rank
-   computes exactly ``T``: a balanced step that drains the backlog over ~``horizon`` steps.
-2. **Never below the decodes.** ``T >= D``: decodes never wait; below ``D`` the other
-   ranks fill up to ``D`` with prefill for free (the step lasts ``D`` anyway).
-3. **Minimum chunk.** ``T >= D + min_chunk`` when some rank has prefill (default 0).
-4. **Deadlines.** ``T >= min(must[r], tokens[r])`` for every rank: a rank whose prefills
-   would otherwise miss ``max_delay_ms`` raises the budget, and every other rank with
-   pending prefill fills up to the same ``T`` (the step lasts that long anyway). So no
-   prefill finishes later than ``max_delay_ms`` after it became schedulable, plus the
-   steps its own size needs at ``max_tokens`` per step (no starvation).
-5. ``1 <= T <= max_tokens``.
-
-Each rank then computes ``allowed(decode[r], tokens[r], T) = min(tokens[r], max(decode[r],
-T))`` tokens: all its decodes and ``min(avail, T - decode)`` prefill tokens.
-
-Where it runs
--------------
-services/engine_worker/rank_step.py (``RankStep``) builds each rank's row and applies the
-budget after the exchange, in the live worker and in the simulator alike. With
-``min_balance > 0`` (the default engine settings) it uses :func:`balanced_budget` (the
-largest budget most ranks can fill) instead of the water level of rule 1, with a bounded
-hold (``max_hold_steps``) and deadlines scaled by the prefill pending on the other ranks.
-
-The budget never changes which sequences run, only how many prefill tokens each computes
-this step: continuing prefills first, then admissions FCFS (the order of the engine's
-scheduler), so trimming a plan to the budget cuts from its newest work.
+A DP+EP step lasts as long as its busiest rank, so every rank caps its prefill at the same
+``T`` (decodes never wait) and a big prefill spreads over steps in which the others compute
+about as much. Each rank computes ``T`` from the same rows of the step collective, so all
+agree without another exchange. Pure (no I/O, no clock); rank_step.py runs it, live and in
+the simulator. The rules and the figures behind them: docs/architecture.md, "Coordinated
+prefill budget".
 """
 
 from __future__ import annotations
@@ -104,9 +58,10 @@ def from_settings(settings: Any) -> BudgetConfig | None:
 
 def shared_budget(decode: Sequence[int], tokens: Sequence[int], must: Sequence[int] | None = None,
                   cfg: BudgetConfig = BudgetConfig()) -> int:
-    """The per-rank token budget ``T`` of this step (same on every rank; see the module
-    docstring). ``decode``, ``tokens``, ``must`` are indexed by position in the group;
-    ``must[r]`` is rank r's :func:`must_tokens` (None: no deadlines)."""
+    """The water-level budget (``min_balance = 0``): the ``spread`` quantile of ``decode +
+    prefill / horizon``, at least the largest decode (+ ``min_chunk`` with prefill), raised
+    to any rank's ``min(tokens, must)``, within ``1..max_tokens``. Lists are indexed by
+    position in the group; ``must`` None means no deadlines."""
     n = len(decode)
     if n == 0 or len(tokens) != n or (must is not None and len(must) != n):
         raise ValueError("decode, tokens and must need one entry per rank")
@@ -156,19 +111,12 @@ def balanced_budget(decode: Sequence[int], tokens: Sequence[int], min_balance: f
 
 def must_tokens(decode: int, pending: Iterable[tuple[float, int]], now_ms: float, step_ms: float,
                 cfg: BudgetConfig = BudgetConfig(), max_delay_ms: float | None = None) -> int:
-    """Tokens rank-local deadlines require this step: ``decode`` plus the prefill rate that
-    finishes every pending prefill within ``max_delay_ms`` of when it became schedulable
-    here, if later steps last about ``step_ms`` and run at the same rate (as late as
-    possible: the rest of the group can then align with this rank instead of it racing
-    ahead alone).
-
-    ``pending``: ``(since_ms, remaining_prefill_tokens)`` in the order the scheduler
-    serves them (running prefills, then the waiting queue FCFS). For the j-th, with ``C_j``
-    the tokens up to and including it and ``k_j = max(1, floor((since_j + max_delay_ms -
-    now_ms) / step_ms))`` the steps it has left, the rate is ``max_j ceil(C_j / k_j)``. A
-    prefill at its deadline therefore gets all its tokens (up to ``max_tokens`` a step):
-    no prefill waits longer than ``max_delay_ms`` plus the steps its own size needs.
-    Reads at most ``max_tokens`` tokens' worth of ``pending`` (bounded work)."""
+    """Tokens this rank's deadlines need this step: ``decode`` plus the rate that finishes
+    every pending prefill (``(since_ms, remaining)``, in serving order) within
+    ``max_delay_ms`` of its ``since``, if later steps last ``step_ms``: ``max_j ceil(C_j /
+    k_j)``, ``C_j`` the tokens up to the j-th, ``k_j`` its steps left (at least 1). As late
+    as possible, so the group can align with this rank; a prefill at its deadline gets
+    everything. Reads at most ``max_tokens`` tokens' worth of ``pending``."""
     B = cfg.max_tokens
     step = max(float(cfg.step_ms if cfg.step_ms > 0 else step_ms), 1.0)
     delay = cfg.max_delay_ms if max_delay_ms is None else max_delay_ms
@@ -198,13 +146,10 @@ def allowed_all(decode: Sequence[int], tokens: Sequence[int], budget: int) -> li
 
 
 def trim_plan(plan: Any, limit: int) -> Any:
-    """Cut a :class:`~services.engine_worker.scheduler.StepPlan` to ``limit`` tokens in
-    place (the live worker's use). Decode chunks are kept; prefill chunks are cut from the
-    end of the plan (the newest work: admissions come after continuations), a partial
-    chunk keeps its first tokens and stops sampling. A sequence whose chunk is cut to
-    nothing stays admitted with ``num_computed_tokens`` unchanged, so the scheduler
-    continues its prefill next step (its KV blocks are already reserved). Returns the plan.
-    """
+    """Cut a StepPlan to ``limit`` tokens in place and return it. Decodes are kept;
+    prefill is cut from the end (the newest work), a partial chunk keeps its first tokens
+    and stops sampling, and a chunk cut to nothing is listed in ``plan.dropped`` (the
+    caller un-admits such admissions, so they hold no KV blocks)."""
     excess = plan.num_tokens - max(int(limit), plan.decode_tokens)
     if excess <= 0:
         return plan

@@ -71,7 +71,6 @@ class StepAggregator:
         self._oldest_first = float("inf")       # earliest `first` among pending steps
         self._final_key: Key | None = None
         self._ready: Snapshot | None = None      # final, held back by min_interval_s
-        self._last_pub: Snapshot | None = None
         self._last_pub_t = float("-inf")
         # counters (shown by `lockstep status --json` and /metrics)
         self.reports = 0          # reports fed in
@@ -88,14 +87,6 @@ class StepAggregator:
         self.published = 0        # snapshots returned to the caller
 
     # ---------------------------------------------------------------- queries
-
-    @property
-    def live(self) -> frozenset[int]:
-        return frozenset(self._live)
-
-    @property
-    def last_published(self) -> Snapshot | None:
-        return self._last_pub
 
     @property
     def final_key(self) -> Key | None:
@@ -219,7 +210,6 @@ class StepAggregator:
         ready = self._ready
         if ready is not None and now >= self._last_pub_t + self.min_interval_s:
             self._ready = None
-            self._last_pub = ready
             self._last_pub_t = now
             self.published += 1
             ready.seq = self.published

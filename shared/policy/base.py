@@ -72,5 +72,8 @@ class BatchingPolicy(Protocol):
     def next_deadline(self) -> float | None:
         """When ``poll`` must next be called, or None when nothing is held."""
 
+    def drop(self, request_id: str) -> bool:
+        """Forget a held request (its client aborted); True if it was held."""
+
     def note_explicit(self, req: RequestInfo, rank: int, now: float) -> Assignment:
         """Record a request whose rank was fixed by the client (data_parallel_rank)."""

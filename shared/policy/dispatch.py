@@ -3,14 +3,10 @@
 Each policy keeps a *local view* of every rank: the rank's stats from the last snapshot plus
 the dispatches the snapshot does not show yet. Why this is exact rather than a guess:
 
-* Every :class:`Assignment` carries ``dispatcher`` and a per-(dispatcher, rank) ``seq``
-  starting at 1. An engine echoes the highest seq it has received from each dispatcher in
-  ``RankStats.recv``, in the same report whose waiting/running/outstanding already include
-  those requests. So on a snapshot a policy drops exactly its own dispatches with
-  ``seq <= recv`` (the snapshot counts them) and keeps the rest as local additions: no
-  double counting, nothing forgotten. vLLM instead replaces its local bumps with each
-  snapshot, forgetting what the engine has not picked up yet (``reconcile=False`` gives
-  that behaviour, for baselines).
+* On a snapshot a policy drops exactly its own dispatches the snapshot shows and keeps
+  the rest as local additions (seq/recv reconciliation, shared/policy/unseen.py). vLLM
+  instead replaces its local bumps with each snapshot, forgetting what the engine has not
+  picked up yet (``reconcile=False`` gives that behaviour, for baselines).
 * The scheduler is normally the only decision maker, so its own dispatches are all the
   traffic there is: a local addition counts once. In ``client_mode`` each of
   ``num_api_servers`` api-servers chooses from the same published snapshot and cannot see
@@ -38,28 +34,26 @@ find the winner. Pure: no I/O, no clock; ``now`` is passed in.
 from __future__ import annotations
 
 import zlib
-from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 from shared.policy.base import Assignment, RequestInfo
+from shared.policy.unseen import UnseenSends
 from shared.stats import Snapshot
 
 
 class _RankView:
     """One rank as this dispatcher sees it: last snapshot values plus unseen dispatches."""
 
-    __slots__ = ("waiting", "running", "kv_usage", "outstanding", "pending", "sent", "unseen", "local")
+    __slots__ = ("waiting", "running", "kv_usage", "outstanding", "pending", "unseen")
 
     def __init__(self) -> None:
         self.waiting = 0
         self.running = 0
         self.kv_usage = 0.0
         self.outstanding = 0
-        self.pending = 0                                        # prefill tokens not yet computed
-        self.sent = 0                                           # last seq sent to this rank
-        self.unseen: deque[tuple[int, float, float]] = deque()  # (seq, amount, time sent)
-        self.local = 0.0                                        # sum of unseen amounts
+        self.pending = 0               # prefill tokens not yet computed
+        self.unseen = UnseenSends()    # its .amount: the local addition
 
 
 class _LocalViewPolicy:
@@ -132,22 +126,14 @@ class _LocalViewPolicy:
             v.pending = st.prefill_pending
             v.kv_usage = st.kv_usage
             q = v.unseen
-            if not q:
+            if not q.sends:
                 continue
             if not self.reconcile:
                 q.clear()
-                v.local = 0.0
                 continue
-            seen = st.recv.get(me, 0)
-            while q and (q[0][0] <= seen or (ttl_cut is not None and q[0][2] < ttl_cut)):
-                seq, amount, _ = q.popleft()
-                v.local -= amount
-                if seq <= seen:
-                    self.reconciled += 1
-                else:
-                    self.expired += 1
-            if not q:
-                v.local = 0.0  # no float drift
+            seen, expired = q.reconcile(st.recv.get(me, 0), ttl_cut)
+            self.reconciled += seen
+            self.expired += expired
         if not self._ranks_set_explicitly:
             self._set_ranks(snap.ranks)
         else:
@@ -178,11 +164,7 @@ class _LocalViewPolicy:
     def local_load(self, rank: int) -> float:
         """Unscaled sum of this dispatcher's dispatches to ``rank`` not yet shown by a snapshot."""
         v = self._views.get(rank)
-        return v.local if v else 0.0
-
-    def unseen(self, rank: int) -> int:
-        v = self._views.get(rank)
-        return len(v.unseen) if v else 0
+        return v.unseen.amount if v else 0.0
 
     def scores(self) -> dict[int, float]:
         return dict(zip(self._ranks, self._scores))
@@ -231,14 +213,11 @@ class _LocalViewPolicy:
         if now > self._now:
             self._now = now
         v = self._view(rank)
-        v.sent += 1
-        amount = self._amount(req)
-        v.unseen.append((v.sent, amount, now))
-        v.local += amount
+        seq = v.unseen.send(self._amount(req), t=now)
         if i >= 0:
             self._scores[i] = self._score(v)
         return Assignment(request_id=req.id, rank=rank, reason=reason,
-                          dispatcher=self.dispatcher_id, seq=v.sent)
+                          dispatcher=self.dispatcher_id, seq=seq)
 
 
 class RoundRobin(_LocalViewPolicy):
@@ -266,7 +245,7 @@ class LeastScore(_LocalViewPolicy):
         super().__init__(**kw)
 
     def _score(self, v: _RankView) -> float:
-        waiting = v.waiting + v.local * self.scale
+        waiting = v.waiting + v.unseen.amount * self.scale
         s = waiting * self.w_wait + v.running * self.w_run
         if self.kv_penalty > 0.0 and v.kv_usage > 0.5:
             s += waiting * self.kv_penalty * (v.kv_usage - 0.5)
@@ -283,4 +262,4 @@ class LeastTokens(_LocalViewPolicy):
         return float(req.prompt_tokens + req.max_tokens)
 
     def _score(self, v: _RankView) -> float:
-        return v.outstanding + v.local * self.scale
+        return v.outstanding + v.unseen.amount * self.scale

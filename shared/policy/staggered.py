@@ -1,120 +1,11 @@
-"""Staggered batches, scheduler side: hold requests briefly, release them as one batch
-sized so that no rank ends up more loaded than it must, tagged so the ranks can start the
-batch's prefill in the same step (DESIGN §5 "Staggered batches").
+"""Staggered batches, scheduler side (policy ``staggered``): hold requests briefly and
+release them as one batch, placed so that no rank ends up more loaded than it must and
+tagged so the ranks start its prefill in the same step (the engine side: batch_gate.py).
 
-A pure object: no I/O, no clock of its own. The caller passes ``now`` (seconds, any
-monotonic time base, the same one for every call), calls :meth:`poll` at
-:meth:`next_deadline`, and sends every returned :class:`Assignment` to its rank's inbox.
-
-Release rule
-------------
-Requests are held in arrival order. The held set is released as one batch when
-
-* ``full``: at least ``len(ranks) * min_batch_per_rank`` requests are held, so every live
-  rank can get work; or
-* ``timeout``: a held request reached its deadline, ``submit time + window`` (the window
-  the batcher had when that request arrived); or
-* ``wait_bound``: the same, when that request's window was clipped by
-  ``hard_max_wait_ms``.
-
-Every request's deadline is fixed when it is submitted, the window never exceeds
-``hard_max_wait_ms``, and :meth:`next_deadline` returns the earliest deadline, so a request
-is never held longer than its window when the caller polls on time: no request starves
-(unlike SGLang's PrefillDelayer, #32880, which could veto prefills indefinitely). The bound
-is on time spent *in the batcher* (``now`` at submit to ``now`` at release), not since
-``RequestInfo.arrival``, because the api-server's clock need not be the scheduler's.
-
-Window rule (``max_wait_ms=0``, learned)
-----------------------------------------
-``base = 2 × step``, where *step* is an EWMA (α=0.2) of the lockstep step time, the largest
-``RankStats.dur_ms`` of each snapshot (a lockstep step lasts as long as its slowest rank).
-Two steps because a request that waits for the next step boundary already loses up to one
-step; holding for a second one lets the batch fill and land on every rank before the same
-boundary. Before any measurement ``base = DEFAULT_WINDOW_MS`` (50 ms). A configured
-``max_wait_ms > 0`` replaces the learned base. The base is capped at ``hard_max_wait_ms``.
-
-Adaptivity (``adaptive=True``): holding pays only if the batch can fill inside the window.
-With ``gap`` the median of the last ``GAP_SAMPLES`` inter-arrival gaps (from
-``RequestInfo.arrival``; median so one long idle gap or a clump does not swing it) and
-``missing`` the requests still needed for a full batch after this one::
-
-    fill   = missing × gap                       # expected time to fill the batch
-    window = base                   if fill <= base
-           = base × base / fill     otherwise    # shrinks toward 0 as load falls
-    window = 0                      if window < MIN_HOLD_MS
-
-So at high load (fill ≤ two steps) the ranks prefill together; at low load (one request
-every 2 s, 25 ms steps so base = 50 ms, 4 ranks: fill = 6 s, window ≈ 0.4 ms → 0) a request goes out at
-once, because waiting would only add latency and would most likely end in a timeout with
-the same lone request anyway. With no gap known yet (the first request) the base is used.
-
-Sizing (water-filling)
-----------------------
-Load of a rank = ``RankStats.outstanding`` of the last snapshot + the cost of what this
-batcher sent to the rank that the snapshot does not yet show. A request's **cost** is
-``prompt_tokens + max_tokens``: the prefill it adds now plus the most decode work it can add
-later (the same units as ``outstanding``: prompt tokens not yet computed + output tokens
-still to come). What a snapshot shows is known exactly: each Assignment carries
-``dispatcher=dispatcher_id`` and a per-(dispatcher, rank) ``seq`` starting at 1; engines echo
-the highest seq they received in ``RankStats.recv[dispatcher_id]``; on a snapshot the
-batcher forgets the sends with ``seq <= recv`` (they are in ``outstanding`` now) and keeps the
-rest as local load. In ``client_mode`` (several api-servers each batching from the same
-snapshot) the local load is multiplied by ``num_api_servers``, as in vLLM: the others are
-likely sending similar traffic.
-
-KV: a rank's free blocks = ``kv_total − kv_used`` (last snapshot) − the prompt blocks sent
-since (``ceil(prompt_tokens / block_size)`` per request); unknown (``kv_total == 0`` or no
-snapshot yet) counts as unlimited. A request is placed on a rank whose free blocks hold its
-prompt whenever some rank can; when none can it is still released (the engine queues it) —
-never dropped — preferably where it overflows least (the rank that can start it soonest).
-
-Placement minimises, in order: (1) KV overflow (prompt blocks beyond a rank's free blocks,
-summed), (2) the largest rank load after the batch, (3) the sum of squared loads (spread
-the batch over the less loaded ranks instead of piling it on one while another rank is the
-max). It starts from LPT greedy — requests by cost descending (ties: arrival order), each
-onto the rank where it adds the least overflow, then the least-loaded one (ties rotate
-across batches) — which without KV limits is within 4/3 of the optimal largest load. If
-LPT is provably optimal on (1) and (2) (no overflow, and its largest load equals a lower
-bound: the current maximum, the water level, or the least load plus the largest request)
-it is kept, which is the common case under load. Otherwise a depth-first branch-and-bound
-over the same order improves (1, 2, 3), capped at ``search_nodes`` steps (default 4000,
-a few milliseconds at most). Small batches (a handful of requests on a few ranks) are therefore
-solved exactly; large ones keep the best found, never worse than LPT.
-
-Batch tags
-----------
-Batch ids are ``f"{dispatcher_id}-{n}"`` with ``n`` = 1, 2, 3, … (unique, monotonic per
-batcher). ``batch_counts[r]`` is the number of the batch's requests sent to **rank id**
-``r``; the tuple covers ranks ``0 .. max(live ranks)`` and a rank that is not live has 0. When
-the live ranks are ``0..n-1`` this is the same as the position in the live-rank list; indexing
-by rank id lets an engine read ``counts[its rank]`` without knowing the live list. Counts
-sum to the batch size; a heavily loaded rank can get 0 (water-filling). Assignments are
-returned in arrival order (FCFS within each rank's inbox).
-
-Explicit requests (``data_parallel_rank`` given) go through :meth:`note_explicit`: not held,
-no batch, reason ``"explicit"``, but they get a seq and count as local load.
-
-Counters (attributes; :meth:`stats` returns them as a dict)
-----------------------------------------------------------
-``held``, ``window_ms`` (window given to the latest held arrival), ``step_ms`` (learned
-step, None before a measurement), ``arrival_gap_ms``, ``batches_released``,
-``batches_by_reason`` ({"full", "timeout", "wait_bound"} → batches), ``requests_released``,
-``explicit``, ``hold_ms_last`` / ``hold_ms_mean`` / ``hold_ms_max`` (per released request,
-since start), ``kv_overflow`` (requests placed where no rank had KV room),
-``stale_snapshots``, ``pending_evicted``.
-
-Bounds
-------
-* held queue ≤ ``max_held`` (default 65 536). With live ranks it never exceeds
-  ``len(ranks) * min_batch_per_rank`` (a full batch is released on the submit that fills it);
-  it grows only while no rank is live, and :meth:`submit` then raises :class:`BatcherFull`
-  so the caller leaves the request on its stream (back-pressure, not loss).
-* unacknowledged sends ≤ ``max_pending`` per rank (default 65 536; the oldest is assumed
-  seen when exceeded, e.g. an engine that never echoes ``recv``); they are dropped for ranks
-  that leave the live set.
-* per-rank state (seq counters, last stats) is keyed by rank id: bounded by the cluster.
-* no per-batch state is kept after a batch is released (only the counter ``n``); counters
-  are scalars and a fixed-key dict; the gap sampler keeps ``GAP_SAMPLES`` values.
+Pure: the caller passes ``now`` (one monotonic time base), calls :meth:`poll` at
+:meth:`next_deadline` and sends every returned Assignment to its rank's inbox. A request is
+never held past its window; nothing is dropped. Release rule, learned window, placement,
+tags and bounds, with their figures: docs/architecture.md, "Staggered batcher".
 """
 
 from __future__ import annotations
@@ -126,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from shared.policy.base import Assignment, RequestInfo
+from shared.policy.unseen import UnseenSends
 from shared.stats import Snapshot
 
 DEFAULT_WINDOW_MS = 50.0   # window before any step time is measured (about 2 steps of 25 ms)
@@ -193,10 +85,7 @@ class StaggeredBatcher:
         self._held: deque[_Held] = deque()
         self._min_deadline: float | None = None
         # per rank id
-        self._seq: dict[int, int] = {}
-        self._pending: dict[int, deque[tuple[int, int, int]]] = {}  # (seq, cost, blocks)
-        self._pending_cost: dict[int, int] = {}
-        self._pending_blocks: dict[int, int] = {}
+        self._unseen: dict[int, UnseenSends] = {}   # amount: cost, blocks: prompt blocks
         self._snap_load: dict[int, int] = {}
         self._snap_free: dict[int, int | None] = {}
         self._snap_seq = 0
@@ -262,14 +151,16 @@ class StaggeredBatcher:
     def load(self, rank: int) -> int:
         """Estimated outstanding tokens of ``rank``: snapshot + unacknowledged sends."""
         bump = self.num_api_servers if self.client_mode else 1
-        return self._snap_load.get(rank, 0) + bump * self._pending_cost.get(rank, 0)
+        u = self._unseen.get(rank)
+        return self._snap_load.get(rank, 0) + (bump * int(u.amount) if u else 0)
 
     def free_blocks(self, rank: int) -> int | None:
         """Estimated free KV blocks of ``rank``; None when unknown (unlimited)."""
         free = self._snap_free.get(rank)
         if free is None:
             return None
-        return free - self._pending_blocks.get(rank, 0)
+        u = self._unseen.get(rank)
+        return free - (u.blocks if u else 0)
 
     def cost(self, req: RequestInfo) -> int:
         return max(0, req.prompt_tokens) + max(0, req.max_tokens)
@@ -282,10 +173,9 @@ class StaggeredBatcher:
         """Live ranks. Call :meth:`poll` afterwards: fewer ranks can make a batch full."""
         self._ranks = sorted(set(int(r) for r in ranks))
         live = set(self._ranks)
-        for r in [r for r in self._pending if r not in live]:
-            del self._pending[r]
-            self._pending_cost.pop(r, None)
-            self._pending_blocks.pop(r, None)
+        for r, u in self._unseen.items():
+            if r not in live:
+                u.clear()
 
     def on_snapshot(self, snap: Snapshot) -> None:
         if snap.seq and snap.seq < self._snap_seq:
@@ -300,10 +190,9 @@ class StaggeredBatcher:
         for r, s in snap.ranks.items():
             self._snap_load[r] = max(0, s.outstanding)
             self._snap_free[r] = max(0, s.kv_total - s.kv_used) if s.kv_total > 0 else None
-            seen = s.recv.get(self.dispatcher_id, 0)
-            q = self._pending.get(r)
-            while q and q[0][0] <= seen:
-                self._drop_oldest_pending(r)
+            u = self._unseen.get(r)
+            if u is not None:
+                u.reconcile(s.recv.get(self.dispatcher_id, 0))
 
     def submit(self, req: RequestInfo, now: float) -> list[Assignment]:
         if len(self._held) >= self.max_held:
@@ -421,26 +310,19 @@ class StaggeredBatcher:
         return out
 
     def _record_send(self, rank: int, req: RequestInfo) -> int:
-        seq = self._seq.get(rank, 0) + 1
-        self._seq[rank] = seq
-        q = self._pending.setdefault(rank, deque())
-        c, b = self.cost(req), self.blocks(req)
-        q.append((seq, c, b))
-        self._pending_cost[rank] = self._pending_cost.get(rank, 0) + c
-        self._pending_blocks[rank] = self._pending_blocks.get(rank, 0) + b
-        while len(q) > self.max_pending:
-            self._drop_oldest_pending(rank)
+        u = self._unseen.get(rank)
+        if u is None:
+            u = self._unseen[rank] = UnseenSends()
+        seq = u.send(self.cost(req), self.blocks(req))
+        while len(u.sends) > self.max_pending:
+            u.drop_oldest()
             self.pending_evicted += 1
         return seq
 
-    def _drop_oldest_pending(self, rank: int) -> None:
-        _, c, b = self._pending[rank].popleft()
-        self._pending_cost[rank] -= c
-        self._pending_blocks[rank] -= b
-
     # --------------------------------------------------------------- sizing
     def _place(self, reqs: list[RequestInfo], ranks: list[int]) -> list[int]:
-        """Rank for each request (same order as ``reqs``); see "Sizing" above."""
+        """Rank for each request (same order as ``reqs``): LPT greedy, then a bounded search
+        when it is not provably optimal (docs/architecture.md, "Staggered batcher")."""
         m, n = len(ranks), len(reqs)
         load0 = [self.load(r) for r in ranks]
         free0 = [self.free_blocks(r) for r in ranks]

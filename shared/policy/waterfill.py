@@ -54,7 +54,7 @@ class WaterFill(_LocalViewPolicy):
         return float(req.prompt_tokens)
 
     def _score(self, v: _RankView) -> float:
-        return v.pending + v.local * self.scale
+        return v.pending + v.unseen.amount * self.scale
 
     # ---------------------------------------------------------------- batching protocol
     def submit(self, req: RequestInfo, now: float) -> list[Assignment]:
