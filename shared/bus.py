@@ -26,6 +26,7 @@ from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
 
 from shared import redis_url
 from shared.messages import FIELD, loads
+from shared.replies import as_str
 
 T = TypeVar("T")
 
@@ -182,7 +183,7 @@ def decode_entries(resp: Any) -> list[tuple[bytes, bytes, dict[str, Any]]]:
 
 def entry_id_key(entry_id: bytes | str) -> tuple[int, int]:
     """A stream entry id ('ms-seq') as a sortable tuple."""
-    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    ms, _, seq = as_str(entry_id).partition("-")
     return int(ms), int(seq or 0)
 
 
@@ -273,7 +274,7 @@ async def server_run_id(r: Any, key: str) -> str:
     pipe.set(key, uuid.uuid4().hex, nx=True)
     pipe.get(key)
     _, value = await pipe.execute()
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return as_str(value)
 
 
 def same_data(before: str, now: str) -> bool:

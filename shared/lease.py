@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.replies import as_str
+
 # KEYS[1] lease; ARGV[1] token, ARGV[2] PX, ARGV[3] '1' = take the key back if it is free.
 # Returns the holder after the call: the token when the lease is (still, or again) ours,
 # another owner's token, or nil (free and not taken back).
@@ -48,6 +50,4 @@ def release(client: Any, key: str, token: str) -> Any:
 
 def is_holder(result: Any, token: str) -> bool:
     """Whether a ``renew`` result says the lease is ``token``'s."""
-    if isinstance(result, bytes):
-        result = result.decode()
-    return result == token
+    return result is not None and as_str(result) == token

@@ -25,6 +25,8 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.sentinel import SentinelConnectionPool
 
+from shared.replies import as_str
+
 SWITCH_CHANNEL = "+switch-master"
 SELECTED_CHANNEL = "+selected-slave"
 ABORT_PATTERN = "-failover-abort-*"
@@ -101,8 +103,7 @@ class AsyncSentinelRedis(aioredis.Redis):
                     async for msg in pubsub.listen():
                         if msg.get("type") not in ("message", "pmessage"):
                             continue
-                        channel, data = (x.decode() if isinstance(x, bytes) else str(x)
-                                         for x in (msg.get("channel"), msg.get("data")))
+                        channel, data = as_str(msg.get("channel")), as_str(msg.get("data"))
                         said = announcement(channel, data, self._service)
                         if said is None:
                             continue

@@ -11,6 +11,7 @@ import orjson
 import typer
 
 from services.admin import local_state
+from shared.replies import as_str
 
 NS_OPT = typer.Option("ls", "--namespace", "-n", envvar="LOCKSTEP_NAMESPACE", help="Key prefix of the cluster.")
 URL_OPT = typer.Option(None, "--redis-url", help="Redis URL (default: LOCKSTEP_REDIS_URL, else the local cluster's).")
@@ -36,10 +37,6 @@ def resolve(redis_url: str | None, namespace: str) -> str:
 
 def emit_json(data: Any) -> None:
     typer.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
-
-
-def as_str(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def as_number(v: Any) -> Any:

@@ -25,6 +25,7 @@ from services.admin.cmd_common import JSON_OPT, NS_OPT, URL_OPT, as_str, emit_js
 from services.admin.steps_cmd import read_steps
 from shared import keys as K
 from shared.bus import decode_entries, entry_id_key
+from shared.replies import str_keys
 
 MAX_STEPS = 20_000       # finalized steps read per frame, at most
 MAX_OUT_ENTRIES = 5_000  # output-stream entries read per api-server per frame, at most
@@ -70,7 +71,7 @@ async def _queues(r: Any, keys: K.Keys) -> dict[str, Any]:
                            "scheduler_pending": 0, "scheduler_lag": 0}
     if isinstance(groups, list):
         for g in groups:
-            g = {as_str(k): v for k, v in g.items()}
+            g = str_keys(g)
             if as_str(g.get("name", "")) == K.SCHEDULER_GROUP:
                 out["scheduler_pending"] = int(g.get("pending") or 0)
                 out["scheduler_lag"] = int(g.get("lag") or 0)

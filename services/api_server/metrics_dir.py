@@ -18,6 +18,7 @@ from pathlib import Path
 
 from shared import keys as K
 from shared.bus import connect
+from shared.replies import as_str
 from shared.redis_server import pid_alive
 
 ROOT = Path(tempfile.gettempdir()) / "lockstep-metrics"
@@ -53,4 +54,4 @@ async def for_cluster(redis_url: str, namespace: str, port: int) -> str | None:
         await r.aclose()
     if not started:
         return None
-    return prepare(namespace, port, started.decode() if isinstance(started, bytes) else str(started))
+    return prepare(namespace, port, as_str(started))

@@ -26,6 +26,7 @@ from services.engine_worker.lockstep import GroupBroken, LockstepGroup
 from shared import keys as K
 from shared import lease
 from shared.bus import connect_sync, ensure_group
+from shared.replies import str_keys
 from shared.messages import FIELD, dumps
 from shared.redis_server import free_port
 
@@ -227,7 +228,7 @@ class GroupMembership:
         await ensure_group(self.r, inbox, K.ENGINE_GROUP, "0")
         groups = await self.r.xinfo_groups(inbox)
         for g in groups:
-            g = {(k.decode() if isinstance(k, bytes) else k): v for k, v in g.items()}
+            g = str_keys(g)
             if g["name"] in (K.ENGINE_GROUP, K.ENGINE_GROUP.encode()):
                 self.inbox_last = g["last-delivered-id"]
         last = await self.r.xrevrange(self.keys.wave, count=1)

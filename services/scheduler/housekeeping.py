@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 
 from shared import keys as K
 from shared.bus import atomic, decode_entries, entry_id_key
+from shared.replies import as_str, str_keys
 from shared.messages import FIELD, Resume, encode, request_owner
 
 RECOVERY_CONSUMER = "recovery"
@@ -46,8 +47,8 @@ async def recover_orphans(r: Redis, keys: K.Keys, ranks: list[int], live: set[in
         alive = rank in live
         inbox = keys.inbox(rank)
         for c in consumers:
-            c = {(k.decode() if isinstance(k, bytes) else k): v for k, v in c.items()}
-            name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+            c = str_keys(c)
+            name = as_str(c["name"])
             if name == RECOVERY_CONSUMER:
                 # Claimed by an earlier scan that stopped before its notices went out.
                 if int(c.get("pending", 0)):
@@ -124,7 +125,7 @@ async def trim_acked(r: Redis, keys: K.Keys, ranks: list[int]) -> None:
             continue
         delivered = None
         for g in groups:
-            g = {(k.decode() if isinstance(k, bytes) else k): v for k, v in g.items()}
+            g = str_keys(g)
             if g["name"] in (group, group.encode()):
                 delivered = g["last-delivered-id"]
         if delivered is None:
