@@ -4,7 +4,7 @@ staggered` used to start and then answer every request with 500).
 
 Each combination goes through the same path as `up`: the environment its children get,
 the settings they read from it, then the decision maker of that mode builds its policy
-and places two requests against the real Redis (the scheduler's ``_handle``, or the
+and places two requests against the real Redis (the scheduler's ``intake.handle``, or the
 api-server's ``Gateway.submit`` in client dispatch)."""
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ async def test_every_up_combination_is_served_or_refused(redis_url, namespace):
             sched.redis_url, sched.namespace = redis_url, ns
             if dispatch == "scheduler":
                 svc = SchedulerService(sched)
-                svc.r = r
+                svc.attach(r)
                 await ensure_group(r, keys.requests, K.SCHEDULER_GROUP, "0")
                 for rid in ("a", "b"):
                     await r.xadd(keys.requests, {FIELD: dumps(_req(rid, "api0").to_dict())})
                 resp = await r.xreadgroup(K.SCHEDULER_GROUP, svc.id, {keys.requests: ">"}, count=10)
-                await svc._handle(decode_entries(resp))
+                await svc.intake.handle(decode_entries(resp))
             else:
                 gw = Gateway(r, keys, "api0-x", dispatch="client", policy=client_policy(api, "api0-x"))
                 gw.policy.set_ranks([0, 1])

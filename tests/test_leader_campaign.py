@@ -37,10 +37,10 @@ def test_standby_campaigns_through_a_redis_restart(namespace):
     async def go() -> None:
         svc = SchedulerService(SchedulerSettings(redis_url=server.url, namespace=namespace, lease_ms=300, ranks=1))
         svc.log = log = _Log()
-        svc.r = connect(server.url)
+        svc.attach(connect(server.url))
         try:
             await svc.r.set(svc.keys.leader, "other-leader", px=60_000)   # someone else leads
-            campaign = asyncio.create_task(svc._become_leader())
+            campaign = asyncio.create_task(svc.leadership.become_leader())
             await asyncio.sleep(0)
             server.stop()                                                 # Redis goes away...
             await asyncio.wait_for(log.seen("redis_unavailable").wait(), 10)

@@ -114,10 +114,10 @@ def test_wedged_rank_loses_its_slot_and_fails_the_health_check(redis_url, namesp
 def test_scheduler_never_overwrites_another_leaders_lease(redis_url, namespace):
     async def go():
         svc = SchedulerService(SchedulerSettings(redis_url=redis_url, namespace=namespace, lease_ms=150, ranks=1))
-        svc.r = connect(redis_url)
+        svc.attach(connect(redis_url))
         try:
             await svc.r.set(svc.keys.leader, "other-leader", px=5000)
-            await svc._renew_lease()
+            await svc.leadership.renew_lease()
             assert svc.stop.is_set()                                   # it stepped down
             assert await svc.r.get(svc.keys.leader) == b"other-leader"   # and left the lease alone
             assert await svc.r.pttl(svc.keys.leader) > 4000

@@ -1,0 +1,97 @@
+"""Writing the policy's decisions into a pipeline: the request on its rank's inbox and its
+record ``<ns>:req:<id>``, staggered batches' records, aborts routed to the rank that holds
+the request (or answered at once when it never left the scheduler), and the wake-up of a
+paused group with the first inbox write (shared/wake.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from services.scheduler.state import SchedulerState
+from shared import keys as K
+from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
+from shared.policy.base import Assignment
+from shared.settings import SchedulerSettings
+from shared.wake import wake_if_paused
+
+ASSIGNED_MEMORY = 200_000   # request id -> rank, for routing aborts (LRU, bounded)
+
+
+class InboxWriter:
+    """Writes ``state.assigned``, ``state.held`` (pops released entries) and the counters."""
+
+    def __init__(self, keys: K.Keys, settings: SchedulerSettings, state: SchedulerState, log: Any) -> None:
+        self.keys, self.s, self.state, self.log = keys, settings, state, log
+        self.metrics: Any = None        # set once leading (services/scheduler/metrics.py)
+        self._dispatching = False       # the pipeline being built writes work to an inbox
+
+    def post_wake(self, pipe: Any) -> None:
+        """With the inbox writes: wake the group if it sleeps (shared/wake.py)."""
+        if self._dispatching:
+            wake_if_paused(pipe, self.keys)
+        self._dispatching = False
+
+    def emit(self, pipe: Any, req: Request, a: Assignment, now: float) -> None:
+        st = self.state
+        req.rank = a.rank
+        req.batch = a.batch
+        req.batch_counts = list(a.batch_counts) if a.batch_counts else None
+        req.dispatcher = a.dispatcher or st.dispatcher_id
+        req.dispatch_seq = a.seq
+        self._dispatching = True
+        if self.metrics is not None:
+            self.metrics.on_dispatch(a, req, now)
+        pipe.xadd(self.keys.inbox(a.rank), {FIELD: dumps(req.to_dict())})
+        rec = {"state": "dispatched", "rank": a.rank, "api": req.api, "t_arrival": req.arrival,
+               "t_dispatched": now, "prompt_tokens": req.prompt_tokens, "max_tokens": req.params.max_tokens,
+               "reason": a.reason}
+        if a.batch:
+            rec["batch"] = a.batch
+        pipe.hset(self.keys.req(req.id), mapping=rec)
+        pipe.expire(self.keys.req(req.id), self.s.request_record_ttl_s)
+        st.assigned[req.id] = a.rank
+        if len(st.assigned) > ASSIGNED_MEMORY:
+            st.assigned.popitem(last=False)
+        st.counters["dispatched"] += 1
+
+    def release(self, pipe: Any, a: Assignment, now: float) -> bytes | None:
+        """Emit a held request the batcher released; its stream entry id (to ack), or None."""
+        held = self.state.held.pop(a.request_id, None)
+        if held is None:
+            # The batcher released a request this service no longer holds (it cannot when
+            # aborts drop it from the batcher too): skip it rather than lose the batch.
+            self.log.error("released_request_not_held", request_id=a.request_id, batch=a.batch)
+            return None
+        eid, req = held
+        self.emit(pipe, req, a, now)
+        return eid
+
+    def route_abort(self, pipe: Any, ab: Abort) -> None:
+        st = self.state
+        held = st.held.pop(ab.id, None)
+        if held is not None:
+            # Never reached a rank: answer the api-server directly.
+            eid, req = held
+            drop = getattr(st.policy, "drop", None)
+            if drop is not None:
+                drop(ab.id)
+            pipe.xadd(self.keys.out(req.api), {FIELD: encode_deltas([Delta(ab.id, 0, [], "abort")])},
+                      maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
+            pipe.xack(self.keys.requests, K.SCHEDULER_GROUP, eid)
+            return
+        rank = st.assigned.get(ab.id, ab.rank)
+        if rank is None:
+            return   # unknown: finished long ago, or never placed
+        ab.rank = rank
+        pipe.xadd(self.keys.inbox(rank), {FIELD: dumps(ab.to_dict())})
+        st.counters["aborts_routed"] += 1
+
+    def record_batches(self, pipe: Any, released: list[Assignment]) -> None:
+        seen: set[str] = set()
+        for a in released:
+            if a.batch and a.batch not in seen:
+                seen.add(a.batch)
+                pipe.hset(self.keys.batch(a.batch), mapping={
+                    "counts": dumps(list(a.batch_counts or ())), "reason": a.reason, "t": time.time()})
+                pipe.expire(self.keys.batch(a.batch), K.BATCH_HASH_TTL_S)

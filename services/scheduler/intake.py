@@ -1,0 +1,148 @@
+"""The request stream ``<ns>:requests`` (group ``scheduler``): read new entries, take back
+what was read and never acked (a dead leader's, ours before an outage, entries deferred on
+purpose), and turn each into a dispatch, a held request or a routed abort, acked in the
+same transaction as what it caused."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from services.scheduler.inbox_writer import InboxWriter
+from services.scheduler.loops import where
+from services.scheduler.state import SchedulerState
+from shared import keys as K
+from shared import trace
+from shared.bus import atomic, decode_entries, ensure_group
+from shared.messages import Abort, Request
+from shared.policy.base import Assignment, RequestInfo
+from shared.policy.staggered import BatcherFull
+from shared.settings import SchedulerSettings
+
+RETRY_DEFERRED_S = 0.5      # take back entries left unacked on purpose (back-pressure, an error) after this
+
+
+class Intake:
+    """Writes ``state.held`` (requests waiting for a batch) and clears ``state.redis_trouble``."""
+
+    def __init__(self, r: Any, keys: K.Keys, settings: SchedulerSettings, consumer: str, state: SchedulerState,
+                 writer: InboxWriter, log: Any) -> None:
+        self.r, self.keys, self.s, self.id = r, keys, settings, consumer
+        self.state, self.writer, self.log = state, writer, log
+        self._retry_at = 0.0                  # monotonic time to take back deferred entries (0: none)
+
+    async def iteration(self) -> None:
+        if self.state.redis_trouble:
+            # After start-up or an outage: the group may be gone (restarted server) and
+            # entries may have been read but not acked: take them again, idempotently.
+            await ensure_group(self.r, self.keys.requests, K.SCHEDULER_GROUP, "0")
+            self._retry_at = 0.0
+            await self._reclaim_pending()
+            self.state.redis_trouble = False
+        elif self._retry_at and time.monotonic() >= self._retry_at:
+            # Entries deliberately left unacked (back-pressure, a failed hand-off): again.
+            self._retry_at = 0.0
+            await self._reclaim_pending()
+        block = 1000 if not self._retry_at else max(1, min(1000, int((self._retry_at - time.monotonic()) * 1000)))
+        resp = await self.r.xreadgroup(K.SCHEDULER_GROUP, self.id, {self.keys.requests: ">"},
+                                       count=self.s.read_count, block=block)
+        entries = decode_entries(resp)
+        if entries:
+            if trace.ENABLED:
+                trace.mark("sched_read")
+            await self.handle(entries)
+
+    async def _reclaim_pending(self) -> None:
+        """Take over entries read but never acked (by a dead leader, or by us before an
+        outage). A request that already has a rank in its record goes to that same rank
+        again (the engine ignores a second copy), so each is dispatched exactly once."""
+        start = "0-0"
+        while True:
+            nxt, claimed, *_ = await self.r.xautoclaim(self.keys.requests, K.SCHEDULER_GROUP, self.id,
+                                                        min_idle_time=0, start_id=start, count=1000)
+            entries = [e for e in (decode_entries([(self.keys.requests.encode(), claimed)]) if claimed else [])
+                       if not (e[2].get("k") == "req" and e[2].get("id") in self.state.held)]
+            if entries:
+                self.log.info("reclaimed_requests", n=len(entries))
+                pipe = self.r.pipeline(transaction=False)
+                for _, _, doc in entries:
+                    pipe.hget(self.keys.req(str(doc.get("id", ""))), "rank")
+                placed = await pipe.execute()
+                await self.handle(entries, placed)
+            if nxt in (b"0-0", "0-0"):
+                return
+            start = nxt
+
+    async def handle(self, entries: list[tuple[bytes, bytes, dict[str, Any]]],
+                     placed: list[Any] | None = None) -> None:
+        """Dispatch, hold or route each entry; ack only what was emitted (in the same
+        transaction) or is malformed for good. A held entry stays pending in the group (a
+        successor reclaims it); one the policy could not take (``BatcherFull``, an error)
+        stays pending too and is taken back after ``RETRY_DEFERRED_S``."""
+        st, w = self.state, self.writer
+        now = time.time()
+        # A transaction: the ranks' blocked reads see the inbox writes and the wake-up
+        # notice together (shared/wake.py).
+        pipe = atomic(self.r, self.keys.requests)   # one slot on Redis Cluster (shared/keys.py)
+        acks: list[bytes] = []
+        for i, (_, eid, doc) in enumerate(entries):
+            kind = doc.get("k")
+            try:
+                if kind == "req":
+                    req = Request.from_dict(doc)
+                    info = RequestInfo(req.id, req.prompt_tokens, req.params.max_tokens, req.arrival)
+                elif kind == "abort":
+                    ab = Abort.from_dict(doc)
+                else:
+                    raise ValueError(f"unknown kind {kind!r}")
+            except Exception as exc:  # noqa: BLE001 - malformed for good: drop it (counted), do not stop
+                st.counters["bad_entries"] += 1
+                self.log.warning("bad_request_entry", entry=eid.decode(), error=str(exc))
+                acks.append(eid)
+                continue
+            try:
+                if kind == "req":
+                    if placed is not None and placed[i] is not None:
+                        # Dispatched before (reclaimed after a crash or outage): same rank again.
+                        req.rank = int(placed[i])
+                        w.emit(pipe, req, Assignment(req.id, req.rank, reason="redispatch"), now)
+                        acks.append(eid)
+                    elif req.rank is not None:
+                        st.counters["explicit"] += 1
+                        w.emit(pipe, req, st.policy.note_explicit(info, req.rank, now), now)
+                        acks.append(eid)
+                    elif st.batching:
+                        st.held[req.id] = (eid, req)
+                        try:
+                            released = st.policy.submit(info, now)
+                        except BaseException:
+                            st.held.pop(req.id, None)
+                            raise
+                        acks.extend(e for e in (w.release(pipe, a, now) for a in released) if e is not None)
+                        w.record_batches(pipe, released)
+                        st.wake_batcher.set()
+                    else:
+                        w.emit(pipe, req, st.policy.choose(info, now), now)
+                        acks.append(eid)
+                else:
+                    w.route_abort(pipe, ab)
+                    acks.append(eid)
+            except BatcherFull as exc:
+                # Back-pressure: leave it on the stream (pending, unacked) and try again later.
+                st.count("deferred")
+                self.log.warning("batcher_full", entry=eid.decode(), error=str(exc))
+                self._defer()
+            except Exception as exc:  # noqa: BLE001 - one entry must not stop dispatch; it is not lost
+                st.count("deferred")
+                self.log.error("request_entry_failed", entry=eid.decode(), error=repr(exc), where=where(exc))
+                self._defer()
+        if acks:
+            pipe.xack(self.keys.requests, K.SCHEDULER_GROUP, *acks)
+        w.post_wake(pipe)
+        if trace.ENABLED:
+            trace.mark("sched_sent")
+        await pipe.execute()
+
+    def _defer(self) -> None:
+        if not self._retry_at:
+            self._retry_at = time.monotonic() + RETRY_DEFERRED_S

@@ -1,0 +1,51 @@
+"""Which ranks may get work: every 250 ms read the ranks' heartbeats, their consumer names
+and ``<ns>:drained``; on a change tell the aggregator and the policy, and have dead ranks'
+work resumed at once (also when a spare replaced a rank before a heartbeat went missing)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from services.scheduler.recovery import Recovery
+from services.scheduler.state import SchedulerState
+from shared import keys as K
+
+POLL_S = 0.25
+
+
+class Membership:
+    """Writes ``state.live`` and ``state.drained``."""
+
+    def __init__(self, r: Any, keys: K.Keys, state: SchedulerState, recovery: Recovery, log: Any) -> None:
+        self.r, self.keys, self.state, self.recovery, self.log = r, keys, state, recovery, log
+        self.consumers: dict[int, bytes | None] = {}   # rank -> consumer name of its current incarnation
+
+    async def iteration(self) -> None:
+        st = self.state
+        pipe = self.r.pipeline(transaction=False)
+        for r in st.ranks:
+            pipe.exists(self.keys.rank_alive(r))
+            pipe.hget(self.keys.rank_info(r), "consumer")
+        pipe.smembers(self.keys.drained)
+        res = await pipe.execute()
+        live = [r for r, alive in zip(st.ranks, res[:-1:2]) if alive]
+        self.recovery.ever_alive.update(live)
+        drained = {int(x) for x in res[-1]}
+        # A new incarnation of a rank (a hot spare took the slot of a dead process before
+        # this loop saw it empty): what the old one held is resumed now, not at the next scan.
+        consumers = dict(zip(st.ranks, res[1:-1:2]))
+        if any(self.consumers.get(r) not in (None, c) for r, c in consumers.items()):
+            self.recovery.soon()
+        self.consumers = consumers
+        if live != st.live or drained != st.drained:
+            self.log.info("ranks_changed", live=live, drained=sorted(drained))
+            st.live, st.drained = live, drained
+            st.agg.set_live(live)
+            eligible = [r for r in live if r not in drained] or [r for r in st.ranks if r not in drained]
+            st.policy.set_ranks(eligible or st.ranks)
+            if st.batching:
+                st.wake_batcher.set()   # fewer ranks can make a held batch full
+            self.recovery.soon()
+        await self.recovery.scan_if_due()
+        await asyncio.sleep(POLL_S)
