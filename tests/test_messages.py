@@ -182,3 +182,23 @@ def test_request_owner_names_only_whole_requests():
     assert request_owner({"k": "req", "id": "x"}) is None
     assert request_owner(_wire(Abort("r"))) is None
     assert request_owner({"k": "corrupt"}) is None
+
+
+def test_message_shapes_doc_names_every_wire_key():
+    """docs/redis-keys.md's *Message shapes* table stays true to the Structs."""
+    import msgspec
+
+    from tests.conftest import ROOT
+
+    rows = {}   # Struct name -> (kind cell, keys cell)
+    for line in (ROOT / "docs" / "redis-keys.md").read_text().splitlines():
+        cells = line.split(" | ")
+        if line.startswith("| ") and len(cells) == 4:
+            rows[cells[1].strip("` ").split("`")[0]] = (cells[0][2:], cells[3])
+    for cls in (Request, SamplingParams, Abort, Outputs, Delta, Resume, RankStats, Snapshot):
+        assert cls.__name__ in rows, f"no row for {cls.__name__}"
+        kind, keys = rows[cls.__name__]
+        info = msgspec.inspect.type_info(cls)
+        missing = [f.encode_name for f in info.fields if f"`{f.encode_name}`" not in keys]
+        assert not missing, (cls.__name__, missing)
+        assert kind == (f"`{info.tag}`" if info.tag is not None else "—"), (cls.__name__, kind)
