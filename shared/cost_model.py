@@ -5,11 +5,12 @@ loaded rank:
 
     step_ms = fixed_ms                          # launches + 2 all-to-alls per MoE layer
             + token_ms   * max_r tokens_r       # dense + expert FLOPs of the busiest rank
-            + ctx_ms_per_1k * max_r ctx_r / 1000  # attention over the KV it reads
+            + ctx_ms_per_1k * max_r ctx_r / 1000  # attention; ctx_r: rank r's longest context
 
 The defaults are illustrative, not a measurement (a DeepSeek-V3-class shape): a
-128-sequence decode at 1k context costs 8 + 7.7 + 6.4 = ~22 ms, a 2,048-token prefill
-chunk ~131 ms. Calibrated constants come with the simulator's profiles
+128-sequence decode at 1k context costs 8 + 7.7 + 0.05 = ~16 ms, a 2,048-token prefill
+chunk 8 + 122.9 + 0.1 = ~131 ms. The context term sees one sequence, not the KV the whole
+batch reads (docs/calibration.md: what this misses on a real device). Calibrated constants come with the simulator's profiles
 (services/simulator/profiles/, ``lockstep simulate --profile``) or ``--cost-model FILE``
 (JSON with these field names).
 """

@@ -60,3 +60,17 @@ def test_blog_calibration_reports_every_figure():
     assert doc["rows"]["baseline"]["speedup"] == pytest.approx(1.0)
     assert "round_robin" in doc["extra"]
     assert "| full_strategy |" in calibrate.table(doc)
+
+
+def test_the_cost_models_documented_figures_are_its_constants():
+    """shared/cost_model.py and the default profile quote two step times (they drifted from
+    the constants, then counted the whole batch's KV where callers pass the longest context):
+    a 128-sequence decode at 1k context and a 2,048-token prefill chunk."""
+    import shared.cost_model as cm
+    from shared.cost_model import CostModel
+
+    for cost in (CostModel(), profile.load("default").cost):
+        assert round(cost.step_ms(128, 1000)) == 16      # max_ctx: the longest context (engine_group, worker)
+        assert round(cost.step_ms(2048, 2048)) == 131
+    assert "~16 ms" in cm.__doc__ and "~131 ms" in cm.__doc__
+    assert "~16 ms" in profile.load("default").source and "~131 ms" in profile.load("default").source
