@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 
-from services.api_server.protocol import CHAT_SCHEMA, COMPLETION_SCHEMA, chat_template
+from services.api_server.bodies import CHAT_SCHEMA, COMPLETION_SCHEMA
+from services.api_server.protocol import chat_template
 from shared.tokenizer import encode
 from tests.helpers import sim_expected_text
 

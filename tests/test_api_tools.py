@@ -9,9 +9,12 @@ import json
 
 import pytest
 
+from services.api_server.bodies import ChatBody
+from services.api_server.decode import decode
 from services.api_server.errors import ApiError
 from services.api_server.protocol import parse
-from services.api_server.tools import ToolCall, message, parse_tools
+from services.api_server.tools import ToolCall, message
+from services.api_server.tools import parse_tools as _parse_tools
 
 MODEL = "lockstep-moe"
 WEATHER = {"type": "function", "function": {
@@ -23,6 +26,10 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["tz"],
     "additionalProperties": False}}}
 MSGS = [{"role": "user", "content": "weather in Paris?"}]
+
+
+def parse_tools(body: dict):
+    return _parse_tools(decode({"model": "m", "messages": MSGS, **body}, ChatBody)[0])
 
 
 def _chat(body: dict):

@@ -21,12 +21,15 @@ ANY_JSON = st.recursive(JSON_LEAF, lambda inner: st.one_of(st.lists(inner, max_s
                         max_leaves=12)
 
 
-def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
-    """Values that fit the schema (roughly, edges included): enough to get past shallow checks."""
+def from_schema(schema: dict[str, Any], defs: dict[str, Any]) -> st.SearchStrategy[Any]:
+    """Values that fit the schema (roughly, edges included): enough to get past shallow
+    checks. ``defs``: the OpenAPI components a ``$ref`` names."""
+    if "$ref" in schema:
+        return st.deferred(lambda: from_schema(defs[schema["$ref"].rsplit("/", 1)[1]], defs))
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
     if "anyOf" in schema:
-        return st.one_of(*(from_schema(s) for s in schema["anyOf"]))
+        return st.one_of(*(from_schema(s, defs) for s in schema["anyOf"]))
     t = schema.get("type")
     if t == "string":
         return st.text(max_size=64)
@@ -40,16 +43,17 @@ def from_schema(schema: dict[str, Any]) -> st.SearchStrategy[Any]:
     if t == "null":
         return st.none()
     if t == "array":
-        return st.lists(from_schema(schema.get("items", {})), max_size=schema.get("maxItems", 4))
+        return st.lists(from_schema(schema.get("items", {}), defs), max_size=schema.get("maxItems", 4))
     if t == "object":
-        props = schema.get("properties", {})
-        return st.fixed_dictionaries({}, optional={k: from_schema(v) for k, v in props.items()})
+        props, required = schema.get("properties", {}), schema.get("required", [])
+        return st.fixed_dictionaries({k: from_schema(props[k], defs) for k in required},
+                                     optional={k: from_schema(v, defs) for k, v in props.items() if k not in required})
     return ANY_JSON
 
 
-def body_strategy(schema: dict[str, Any], model: str) -> st.SearchStrategy[Any]:
+def body_strategy(schema: dict[str, Any], defs: dict[str, Any], model: str) -> st.SearchStrategy[Any]:
     props = schema["properties"]
-    fields = {k: st.one_of(from_schema(v), ANY_JSON) if k != "model" else st.sampled_from([model, "other"])
+    fields = {k: st.one_of(from_schema(v, defs), ANY_JSON) if k != "model" else st.sampled_from([model, "other"])
               for k, v in props.items()}
     well_formed = st.fixed_dictionaries({k: fields[k] for k in schema.get("required", [])},
                                         optional={k: v for k, v in fields.items() if k not in schema.get("required", [])})
@@ -75,12 +79,14 @@ def check(resp: httpx.Response) -> None:
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
 def test_fuzz_from_openapi_schema(api, path):
     cluster, spec = api
-    schema = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    defs = spec["components"]["schemas"]
+    ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    schema = defs[ref.rsplit("/", 1)[1]]
     url = cluster.api_url.rsplit("/v1", 1)[0] + path
     client = httpx.Client(timeout=60)
 
     @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-    @given(body=body_strategy(schema, "lockstep-moe"))
+    @given(body=body_strategy(schema, defs, "lockstep-moe"))
     def run(body: Any) -> None:
         check(client.post(url, json=body))
 

@@ -23,9 +23,9 @@ from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, name
 from services.api_server.multi import run_multi
 from services.api_server.metrics import ApiMetrics
 from services.api_server import hf_text
-from services.api_server.protocol import (CHAT_SCHEMA, CHAT_TEMPLATE, COMPLETION_SCHEMA, DETOKENIZE_SCHEMA,
-                                         SPECIAL_TOKENS, TOKENIZE_SCHEMA, ParsedRequest, openapi_body, parse,
-                                         parse_detokenize, parse_tokenize, token_str)
+from services.api_server.bodies import add_components, openapi_body
+from services.api_server.protocol import (CHAT_TEMPLATE, SPECIAL_TOKENS, ParsedRequest, parse, parse_detokenize,
+                                         parse_tokenize, token_str)
 from shared import keys as K
 from shared.bus import connect
 from shared.logging import configure
@@ -227,23 +227,17 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                       "chat_template": CHAT_TEMPLATE,
                       "description": "each UTF-8 byte is one token (ids 0..255); ids 256.. are special"})
 
-    async def _body(request: HttpRequest) -> Any:
-        try:
-            return orjson.loads(await request.body())
-        except orjson.JSONDecodeError as exc:
-            raise ApiError(400, f"invalid JSON body: {exc}") from None
-
-    @app.post("/tokenize", openapi_extra=openapi_body(TOKENIZE_SCHEMA))
+    @app.post("/tokenize", openapi_extra=openapi_body("TokenizeBody"))
     async def tokenize(request: HttpRequest) -> Response:
         check_auth(request)
-        tokens, strs = parse_tokenize(await _body(request), settings.model, tok)
+        tokens, strs = parse_tokenize(await request.body(), settings.model, tok)
         return _json({"count": len(tokens), "max_model_len": settings.max_model_len, "tokens": tokens,
                       "token_strs": [tok.token_str(t) if tok else token_str(t) for t in tokens] if strs else None})
 
-    @app.post("/detokenize", openapi_extra=openapi_body(DETOKENIZE_SCHEMA))
+    @app.post("/detokenize", openapi_extra=openapi_body("DetokenizeBody"))
     async def detokenize(request: HttpRequest) -> Response:
         check_auth(request)
-        return _json({"prompt": (tok or _bytes).decode(parse_detokenize(await _body(request), settings.model, tok))})
+        return _json({"prompt": (tok or _bytes).decode(parse_detokenize(await request.body(), settings.model, tok))})
 
     async def handle(request: HttpRequest, kind: str) -> Response:
         endpoint = "chat" if kind == "chat" else "completions"
@@ -252,12 +246,8 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         try:
             check_auth(request)
             raw = await request.body()
-            try:
-                body = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                raise ApiError(400, f"invalid JSON body: {exc}") from None
             gw: Gateway = state["gw"]
-            parsed = parse(body, kind, served_model=settings.model, max_model_len=settings.max_model_len,
+            parsed = parse(raw, kind, served_model=settings.model, max_model_len=settings.max_model_len,
                            num_ranks=gw.num_ranks, header_rank=request.headers.get("x-data-parallel-rank"),
                            tok=tok)
             if parsed.ignored and len(warned) < 256 and not warned.issuperset(parsed.ignored):
@@ -447,14 +437,16 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
             else:
                 gw.release(rid)
 
-    @app.post("/v1/completions", openapi_extra=openapi_body(COMPLETION_SCHEMA))
+    @app.post("/v1/completions", openapi_extra=openapi_body("CompletionBody"))
     async def completions(request: HttpRequest) -> Response:
         return await handle(request, "completion")
 
-    @app.post("/v1/chat/completions", openapi_extra=openapi_body(CHAT_SCHEMA))
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body("ChatBody"))
     async def chat(request: HttpRequest) -> Response:
         return await handle(request, "chat")
 
+    fastapi_openapi = app.openapi
+    app.openapi = lambda: app.openapi_schema or add_components(fastapi_openapi())   # the bodies' Structs
     app.state.api_id = api_id
     app.state.metrics = metrics
     hot = HotPaths(app, {"/v1/completions": lambda request: handle(request, "completion"),

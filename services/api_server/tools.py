@@ -16,11 +16,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 
+from services.api_server.bodies import ChatBody, NamedToolChoice, Tool
 from services.api_server.errors import ApiError
 
-MAX_TOOLS = 128
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -31,29 +32,21 @@ class ToolCall:
     name: str | None = None        # the named function
 
 
-def _tools(body: dict) -> list[dict[str, Any]]:
-    tools = body.get("tools")
-    if tools is None:
-        return []
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise ApiError(400, f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
-    out = []
-    for i, t in enumerate(tools):
-        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
-            raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}",
-                           param=f"tools[{i}]")
-        params = f.get("parameters", ANY_OBJECT)
-        if params is not None and not isinstance(params, dict):
-            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema", param=f"tools[{i}]")
-        out.append({"name": f["name"], "description": f.get("description"), "parameters": params or ANY_OBJECT})
-    return out
+def _dumps(v: Any) -> str:
+    # msgspec, not orjson: a request's JSON may hold integers past 64 bits, which it decoded
+    return msgspec.json.encode(v).decode()
 
 
-def parse_tools(body: dict) -> tuple[list[dict[str, Any]], ToolCall | None]:
+def tool_defs(tools: list[Tool] | None) -> list[dict[str, Any]]:
+    """The tools as the prompt shows them (their shape is checked by bodies.Tool)."""
+    return [{"name": t.function.name, "description": t.function.description,
+             "parameters": t.function.parameters or ANY_OBJECT} for t in tools or ()]
+
+
+def parse_tools(body: ChatBody) -> tuple[list[dict[str, Any]], ToolCall | None]:
     """(the tools, to show in the prompt; the constraint, or None for text)."""
-    tools = _tools(body)
-    choice = body.get("tool_choice")
+    tools = tool_defs(body.tools)
+    choice = body.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
     if choice == "none":
@@ -71,28 +64,27 @@ def parse_tools(body: dict) -> tuple[list[dict[str, Any]], ToolCall | None]:
                                                    "parameters": t["parameters"]},
                   "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-        if body.get("parallel_tool_calls") is False:
+        if body.parallel_tool_calls is False:
             schema["maxItems"] = 1        # one call only (vLLM's reading of it)
-        return tools, ToolCall("required", ["json", orjson.dumps(schema).decode()])
-    f = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
-    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-        raise ApiError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or "
-                       "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
-    match = next((t for t in tools if t["name"] == f["name"]), None)
+        return tools, ToolCall("required", ["json", _dumps(schema)])
+    assert isinstance(choice, NamedToolChoice)   # the Struct allows nothing else
+    name = choice.function.name
+    match = next((t for t in tools if t["name"] == name), None)
     if match is None:
-        raise ApiError(400, f"tool_choice names {f['name']!r}, which is not in 'tools'", param="tool_choice")
-    return tools, ToolCall("named", ["json", orjson.dumps(match["parameters"]).decode()], f["name"])
+        raise ApiError(400, f"tool_choice names {name!r}, which is not in 'tools'", param="tool_choice")
+    return tools, ToolCall("named", ["json", _dumps(match["parameters"])], name)
 
 
 def tools_block(tools: list[dict[str, Any]]) -> str:
     """The tools as the byte-level chat template shows them, before the messages."""
-    return "<|tools|>\n" + orjson.dumps(tools).decode() + "\n" if tools else ""
+    return "<|tools|>\n" + _dumps(tools) + "\n" if tools else ""
 
 
 def render_calls(calls: Any) -> str:
     """An assistant turn's earlier ``tool_calls`` as text in the prompt."""
-    return orjson.dumps([{"name": c.get("function", {}).get("name"), "arguments": c.get("function", {}).get("arguments")}
-                         for c in calls if isinstance(c, dict)]).decode()
+    fns = [c.get("function") for c in calls if isinstance(c, dict)]
+    return _dumps([{"name": f.get("name"), "arguments": f.get("arguments")} if isinstance(f, dict)
+                   else {"name": None, "arguments": None} for f in fns])
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:

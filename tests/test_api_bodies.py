@@ -1,0 +1,109 @@
+"""The request bodies as msgspec Structs (services/api_server/bodies.py, decode.py): the
+decoder's errors become OpenAI-style 400s that name the field and say what it allows;
+unknown top-level fields are found and ignored; the OpenAPI schema is the Structs'. Pure."""
+
+from __future__ import annotations
+
+import msgspec
+import orjson
+import pytest
+
+from services.api_server.bodies import CHAT_SCHEMA, COMPLETION_SCHEMA, ChatBody, CompletionBody
+from services.api_server.decode import decode
+from services.api_server.errors import ApiError
+from services.api_server.protocol import parse
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def _err(body: dict | bytes, kind: str = "completion") -> ApiError:
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    with pytest.raises(ApiError) as err:
+        parse(raw, kind, served_model="m", max_model_len=256, num_ranks=2)
+    assert err.value.status == 400
+    return err.value
+
+
+@pytest.mark.parametrize("body,kind,param,says", [
+    ({"model": "m", "prompt": "x", "temperature": 3}, "completion", "temperature", "must be a number <= 2, got 3"),
+    ({"model": "m", "prompt": "x", "temperature": True}, "completion", "temperature", "must be a number, got true"),
+    ({"model": "m", "prompt": "x", "n": 1.5}, "completion", "n", "must be an integer, got 1.5"),
+    ({"model": "m", "prompt": "x", "top_p": 0}, "completion", "top_p", "must be a number > 0, got 0"),
+    ({"model": "m", "prompt": "x", "max_tokens": "ten"}, "completion", "max_tokens", "must be an integer"),
+    ({"prompt": "x"}, "completion", "model", "'model' is required"),
+    ({"model": "m"}, "completion", "prompt", "'prompt' is required"),
+    ({"model": "m", "prompt": "x", "stop": ["a", ""]}, "completion", "stop", "'stop[1]' must be a non-empty string"),
+    ({"model": "m", "prompt": "x", "stop": ["a"] * 65}, "completion", "stop", "at most 64 items"),
+    ({"model": "m", "prompt": "x", "logit_bias": {"5": 200}}, "completion", "logit_bias", "<= 100"),
+    ({"model": "m", "prompt": [1.5]}, "completion", "prompt", "a list of token ids"),
+    ({"model": "m", "prompt": "x", "response_format": {"type": "xml"}}, "completion", "response_format",
+     'must be one of "json_object", "json_schema", "text", got "xml"'),
+    ({"model": "m", "prompt": "x", "structured_outputs": {"regex": "a", "foo": 1}}, "completion",
+     "structured_outputs", "has no field 'foo'"),
+    ({"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "completion",
+     "stream_options", "'stream_options.include_usage' must be a boolean, got 1"),
+    ({"model": "m", "messages": [{"role": "bot", "content": "x"}]}, "chat", "messages[0].role",
+     'must be one of "assistant", "developer", "system", "tool", "user", got "bot"'),
+    ({"model": "m", "messages": [{"content": "x"}]}, "chat", "messages[0]", "needs the field 'role'"),
+    ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "chat", "messages[0].content",
+     "must be a string or a list, got 5"),
+    ({"model": "m", "messages": []}, "chat", "messages", "must be a non-empty list"),
+    ({"model": "m", "messages": MSGS, "tool_choice": "maybe"}, "chat", "tool_choice",
+     'must be one of "auto", "none", "required", got "maybe"'),
+    ({"model": "m", "messages": MSGS, "tools": [{"type": "function", "function": {}}]}, "chat", "tools[0]",
+     "'tools[0].function' needs the field 'name'"),
+    ({"model": "m", "messages": MSGS, "top_logprobs": 21, "logprobs": True}, "chat", "top_logprobs", "<= 20, got 21"),
+])
+def test_each_400_names_the_field_and_what_it_allows(body, kind, param, says):
+    err = _err(body, kind)
+    assert err.param == param and says in err.message, err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_bodies_that_are_not_objects_or_not_json():
+    assert _err(b"[1, 2]").message == "the request body must be a JSON object"
+    for raw in (b"{not json", b"", b'{"model": "m", "prompt": "x",}'):
+        err = _err(raw)
+        assert err.message.startswith("invalid JSON body: ") and err.param is None
+
+
+def test_integers_past_64_bits_are_a_clear_error_not_a_crash():
+    """msgspec decodes them where orjson would not re-encode them (a 500 before the fix)."""
+    big = 10**30
+    err = _err(f'{{"model": "m", "prompt": "x", "guided_json": {{"type": "array", "maxItems": {big}}}}}'.encode())
+    assert err.param == "guided_json"
+    assert _err(f'{{"model": "m", "prompt": "x", "seed": {big}}}'.encode()).param == "seed"
+    calls = f'[{{"function": {{"name": "f", "arguments": {big}}}}}]'
+    p = parse(f'{{"model": "m", "messages": [{{"role": "assistant", "content": null, "tool_calls": {calls}}}]}}'
+              .encode(), "chat", served_model="m", max_model_len=256, num_ranks=2)
+    assert str(big) in p.prompt_text
+
+
+def test_unknown_fields_are_named_and_ignored():
+    body = {"model": "m", "prompt": "x", "zz": 1, "seed": 3, "yy": {"a": 2}}
+    p = parse(orjson.dumps(body), "completion", served_model="m", max_model_len=256, num_ranks=2)
+    assert p.ignored == ("zz", "yy") and p.params.seed == 3
+    assert _err({**body, "temperature": 9}).param == "temperature"       # still checked with them present
+    plain = parse(orjson.dumps({"model": "m", "prompt": "x", "seed": 3}), "completion", served_model="m",
+                  max_model_len=256, num_ranks=2)
+    assert plain.ignored == () and plain.params == p.params
+
+
+def test_bytes_and_decoded_json_read_the_same():
+    body = {"model": "m", "messages": MSGS, "temperature": 0.5, "stop": "x", "logit_bias": {"65": 2}, "n": 2}
+    a, _ = decode(orjson.dumps(body), ChatBody)
+    b, _ = decode(body, ChatBody)
+    assert a == b and a.temperature == 0.5 and a.logit_bias == {"65": 2.0}
+
+
+def test_schema_is_the_structs():
+    """Every field the decoder knows is in the served schema, unknown fields are allowed
+    (ignored), and the ranges are msgspec's Meta."""
+    for schema, typ in ((COMPLETION_SCHEMA, CompletionBody), (CHAT_SCHEMA, ChatBody)):
+        assert set(schema["properties"]) == set(typ.__struct_fields__) and schema["additionalProperties"] is True
+    _, comps = msgspec.json.schema_components([ChatBody], ref_template="#/components/schemas/{name}")
+    assert comps["ChatBody"]["properties"]["temperature"] == CHAT_SCHEMA["properties"]["temperature"]
+    temp = {s.get("type"): s for s in CHAT_SCHEMA["properties"]["temperature"]["anyOf"]}
+    assert temp["number"]["minimum"] == 0 and temp["number"]["maximum"] == 2
+    assert set(CHAT_SCHEMA["required"]) == {"messages", "model"}
+    assert set(COMPLETION_SCHEMA["required"]) == {"model", "prompt"}
