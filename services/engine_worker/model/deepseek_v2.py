@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine_worker.model.hf_config import HFConfig
-from services.engine_worker.model.hf_layers import (DecoderLayer, DecoderModel, RMSNorm, SparseMoE, SwiGLU, Linear,
-                                                    empty)
+from services.engine_worker.model.hf_layers import (DecoderModel, Linear, RMSNorm, SparseMoE, SwiGLU, empty,
+                                                    moe_decoder)
 from services.engine_worker.model.kv_cache import BatchLayout
 from services.engine_worker.model.moe import AllToAll
 
@@ -128,9 +128,5 @@ class DeepseekMoE(SparseMoE):
 
 def build(cfg: HFConfig, rank: int, world_size: int, comm: AllToAll | None, dtype: torch.dtype,
           device: str | torch.device) -> DecoderModel:
-    layers = []
-    for i in range(cfg.n_layers):
-        mlp = (SwiGLU(cfg.d_model, cfg.d_ff_dense, dtype, device) if i in cfg.dense_layers
-               else DeepseekMoE(cfg, rank, world_size, comm, dtype, device))
-        layers.append(DecoderLayer(MLAttention(cfg, dtype, device), mlp, cfg, dtype, device))
-    return DecoderModel(cfg, layers, "mlp", dtype, device)
+    return moe_decoder(cfg, lambda: MLAttention(cfg, dtype, device),
+                       lambda: DeepseekMoE(cfg, rank, world_size, comm, dtype, device), dtype, device)

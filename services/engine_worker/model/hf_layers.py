@@ -6,6 +6,8 @@ the loader needs no per-architecture table beyond ``weight_names``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -209,3 +211,13 @@ class DecoderModel(nn.Module):
             if isinstance(layer.mlp, SparseMoE):
                 out.update(layer.mlp.checkpoint_names(f"{p}.{self.moe_attr}"))
         return out
+
+
+def moe_decoder(cfg: HFConfig, attention: Callable[[], nn.Module], moe: Callable[[], nn.Module],
+                dtype: torch.dtype, device: str | torch.device) -> DecoderModel:
+    """The stack Qwen3-MoE and DeepSeek-V2 share: ``attention()`` in every layer, a dense
+    SwiGLU MLP on ``cfg.dense_layers`` and ``moe()`` on the others, under ``mlp``."""
+    layers = [DecoderLayer(attention(), SwiGLU(cfg.d_model, cfg.d_ff_dense, dtype, device)
+                           if i in cfg.dense_layers else moe(), cfg, dtype, device)
+              for i in range(cfg.n_layers)]
+    return DecoderModel(cfg, layers, "mlp", dtype, device)

@@ -8,15 +8,11 @@ from __future__ import annotations
 import torch
 
 from services.engine_worker.model.hf_config import HFConfig
-from services.engine_worker.model.hf_layers import Attention, DecoderLayer, DecoderModel, SparseMoE, SwiGLU
+from services.engine_worker.model.hf_layers import Attention, DecoderModel, SparseMoE, moe_decoder
 from services.engine_worker.model.moe import AllToAll
 
 
 def build(cfg: HFConfig, rank: int, world_size: int, comm: AllToAll | None, dtype: torch.dtype,
           device: str | torch.device) -> DecoderModel:
-    layers = []
-    for i in range(cfg.n_layers):
-        mlp = (SwiGLU(cfg.d_model, cfg.d_ff_dense, dtype, device) if i in cfg.dense_layers
-               else SparseMoE(cfg, rank, world_size, comm, dtype, device))
-        layers.append(DecoderLayer(Attention(cfg, "head", dtype, device), mlp, cfg, dtype, device))
-    return DecoderModel(cfg, layers, "mlp", dtype, device)
+    return moe_decoder(cfg, lambda: Attention(cfg, "head", dtype, device),
+                       lambda: SparseMoE(cfg, rank, world_size, comm, dtype, device), dtype, device)
