@@ -54,3 +54,12 @@ class SyncCluster(sync_cluster.RedisCluster):
 class SyncPipeline(sync_cluster.ClusterPipeline):
     def eval(self, script: str, numkeys: int, *keys_and_args: Any) -> Any:
         return self.execute_command("EVAL", script, numkeys, *keys_and_args)
+
+    def _get_command_keys(self, *args: Any) -> Any:
+        # The pipeline asks its default node for EVAL's keys (COMMAND GETKEYS); with that
+        # node SIGKILLed it failed every beat, never refreshing the slot map, so a rank's
+        # liveness stayed down for good after a primary died (its slot lapsed, a spare
+        # took it, the stale rank never learned). The keys are right there in the args.
+        if args and str(args[0]).upper() in ("EVAL", "EVALSHA"):
+            return list(args[3:3 + int(args[2])])
+        return super()._get_command_keys(*args)

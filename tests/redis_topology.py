@@ -125,6 +125,20 @@ class LocalCluster:
         _wait("cluster healthy after the failover", self.healthy, timeout_s)
         return replica
 
+    def kill_primary(self, primary_port: int, timeout_s: float = 30.0) -> int:
+        """SIGKILL ``primary_port``'s server (no hand-over: what it had not replicated yet
+        is gone) and wait until its replica, promoted by the others' failure detection
+        (node timeout), serves the shard and every live node says the cluster is ok.
+        Returns the new primary's port."""
+        replica = self.replica_of(primary_port)
+        server = next(s for s in self.servers if s.port == primary_port)
+        server.proc.kill()
+        server.proc.wait(10)
+        server.stop()   # proc None: the checks below skip it
+        _wait("replica promoted", lambda: self.client(replica).info("replication")["role"] == "master", timeout_s)
+        _wait("cluster healthy without the killed primary", self.healthy, timeout_s)
+        return replica
+
     def stop(self) -> None:
         for s in self.servers:
             s.stop()

@@ -114,6 +114,71 @@ def test_primary_failover_mid_run_loses_nothing(up, rcluster):
     assert up.proc.poll() is None
 
 
+@pytest.mark.timeout(240)
+def test_killed_primary_mid_run_loses_nothing(tmp_path):
+    """The primary of the dispatch slot (request stream, inboxes, wake-ups) is SIGKILLed
+    while 24 streams run, on a cluster of its own (it is left with one replica fewer):
+    its replica takes over after the node timeout and every stream the api-servers
+    acknowledged completes with exactly its tokens."""
+    with LocalCluster(primaries=3, replicas=1) as rc:
+        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "2", "--backend", "sim",
+                                "--redis-url", rc.url, namespace="lsk")
+        try:
+            keys = K.Keys(cluster.namespace)
+            n, tokens = 24, 120
+            started = threading.Event()
+            results: list = []
+            worker = threading.Thread(target=lambda: results.extend(stream_many(cluster.api_url, n, tokens, "kp",
+                                                                                started)))
+            worker.start()
+            try:
+                assert started.wait(60), "no token streamed before the kill"
+                victim = rc.primary_of(keys.requests)
+                promoted = rc.kill_primary(victim)
+                assert rc.primary_of(keys.requests) == promoted != victim
+            finally:
+                worker.join(200)
+            assert not worker.is_alive(), "the streams did not finish"
+            assert all(r.acked for r in results), [repr(r.error) for r in results if not r.acked]
+            check_streams(results, n, tokens, "kp")
+            check_streams(stream_many(cluster.api_url, 8, 16, "kp-after"), 8, 16, "kp-after")
+            assert cluster.proc.poll() is None
+        finally:
+            cluster.stop()
+
+
+@pytest.mark.timeout(120)
+def test_liveness_pipeline_survives_its_default_node_killed():
+    """The engines' heartbeat (a synchronous cluster pipeline: the lease renewal EVAL and
+    an HSET in other slots) goes on once the node its client happens to use as default
+    is SIGKILLed and replaced: redis-py asked that node for EVAL's keys and never
+    refreshed, so a rank's heartbeat stayed down for good (its slot lapsed, a spare took
+    it, and the stale rank went on as rank 0 beside its replacement)."""
+    from shared import lease
+
+    keys = K.Keys("beat")
+    with LocalCluster(primaries=3, replicas=1) as rc:
+        c = bus.connect_sync(rc.url, timeout_s=1.0, connect_timeout_s=1.0)
+        try:
+            def beat() -> bool:
+                pipe = c.pipeline(transaction=False)
+                lease.renew(pipe, keys.rank_alive(0), "tok", 60_000)
+                pipe.hset(keys.rank_info(0), mapping={"pid": 1})
+                return lease.is_holder(pipe.execute()[0], "tok")
+
+            assert beat()
+            rc.kill_primary(c.get_default_node().port)
+
+            def beats_again() -> bool:
+                try:
+                    return beat()
+                except redis.RedisError:
+                    return False
+            poll_until(beats_again, 60, "the heartbeat pipeline works again", interval=0.5)
+        finally:
+            c.close()
+
+
 def test_bad_cluster_urls_are_refused_clearly():
     from shared.redis_url import BadRedisUrl, parse
 
