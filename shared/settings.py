@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 T = TypeVar("T", bound="Settings")
@@ -63,15 +63,12 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="debug, info, warning or error.")
 
     def __init__(self, **values: Any) -> None:
+        # The arguments only, validated as a plain model: BaseSettings.__init__ would read
+        # the process env (and build its unused sources: 0.7 ms a call against 10 us).
         try:
-            super().__init__(**values)
+            BaseModel.__init__(self, **values)
         except ValidationError as exc:
             raise SettingsError(exc.errors()) from None
-
-    @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: Any,
-                                   *_: Any, **__: Any) -> tuple[Any, ...]:
-        return (init_settings,)
 
     @classmethod
     def from_env(cls: type[T], env: Mapping[str, str] | None = None, **overrides: Any) -> T:
@@ -83,10 +80,6 @@ class Settings(BaseSettings):
             return cls(**{**_MappingEnv(cls, env)(), **given})
         except SettingsError as exc:
             raise SettingsError(exc.errors, {k: v for k, v in env.items() if k[len(ENV_PREFIX):].lower() not in given}) from None
-
-    @classmethod
-    def names(cls) -> list[str]:
-        return list(cls.model_fields)
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
         d = self.model_dump()
