@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.admin.engine_cmd import BadOption, parse_ranks, ranks_text, resolve_world
+from services.admin.engine_cmd import BadOption, host_ranks, parse_ranks, ranks_text, resolve_world
 from shared.keys import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +28,9 @@ def test_rank_specs():
         with pytest.raises(BadOption, match="--ranks"):
             parse_ranks(bad)
     assert ranks_text([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert host_ranks(1, 8) == list(range(8, 16)) and host_ranks(0, 2) == [0, 1]
+    with pytest.raises(BadOption, match="--host-index"):
+        host_ranks(-1, 8)
     assert ranks_text([]) == ""
 
 
@@ -56,6 +59,11 @@ def test_refusals_are_clear(redis_url, namespace):
     assert res.returncode == 2 and "pass --redis-url URL" in res.stderr, res.stderr
     res = _cli("--redis-url", redis_url)
     assert res.returncode == 2 and "--spares K" in res.stderr, res.stderr
+    res = _cli("--ranks", "0-1", "--host-index", "1", "--ranks-per-host", "2", "--redis-url", redis_url)
+    assert res.returncode == 2 and "not both ways" in res.stderr, res.stderr
+    res = _cli("--host-index", "2", "--ranks-per-host", "2", "--redis-url", redis_url, "--namespace", namespace,
+               "--world-size", "4")
+    assert res.returncode == 2 and "--ranks 4-5 does not fit a group of 4 ranks" in res.stderr, res.stderr
     res = _cli("--ranks", "0-1", "--redis-url", "redis://127.0.0.1:1", "--world-size", "2")
     assert res.returncode == 2 and "cannot reach Redis" in res.stderr, res.stderr
     # The size the scheduler published is taken, and a contradicting flag refused.

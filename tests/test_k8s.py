@@ -73,7 +73,9 @@ def test_the_pieces_fit_together():
     engine = _one("StatefulSet", "lockstep-engine")
     api = _one("Deployment", "lockstep-api")
     scheduler = _one("Deployment", "lockstep-scheduler")
-    assert engine["spec"]["replicas"] == int(config["LOCKSTEP_RANKS"]), "one engine pod per rank"
+    args = _containers(engine)[0]["args"]
+    per_host = int(args[args.index("--ranks-per-host") + 1])
+    assert engine["spec"]["replicas"] * per_host == int(config["LOCKSTEP_RANKS"]), "hosts x ranks per host"
     assert api["spec"]["replicas"] == int(config["LOCKSTEP_NUM_API_SERVERS"])
     assert scheduler["spec"]["replicas"] >= 2, "a standby scheduler"
     assert _one("StatefulSet", "lockstep-engine-spare")["spec"]["replicas"] >= 1
@@ -92,8 +94,11 @@ def test_the_pieces_fit_together():
         if doc["kind"] == "PodDisruptionBudget":
             assert doc["spec"]["selector"]["matchLabels"] == scheduler["spec"]["selector"]["matchLabels"]
     env = {e["name"]: e for e in _containers(engine)[0]["env"]}
-    assert env["LOCKSTEP_RANK"]["value"] == "-1"
-    assert env["LOCKSTEP_GROUP_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert args[:1] == ["engine"] and args[args.index("--host-index") + 1] == "$(POD_INDEX)"
+    assert env["POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
+    for sts in (engine, _one("StatefulSet", "lockstep-engine-spare")):   # ranks listen on the IP they advertise
+        env = {e["name"]: e for e in _containers(sts)[0]["env"]}
+        assert env["LOCKSTEP_GROUP_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
 
 
 def test_variables_are_real_settings_and_commands_run():
@@ -117,9 +122,10 @@ def test_variables_are_real_settings_and_commands_run():
                         assert probe[3] in ("scheduler", "engine"), probe
     unknown = {n for n in names if n.startswith(ENV_PREFIX)} - known
     assert not unknown, f"manifests set {unknown}, which no service reads"
-    assert commands == {("init",), ("scheduler",), ("engine-worker",), ("api-server",)}
+    assert {a[0] for a in commands} == {"init", "scheduler", "engine", "api-server"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKSTEP_")}
     for args in commands:
+        args = [a.replace("$(POD_INDEX)", "0") for a in args]   # what Kubernetes substitutes
         res = subprocess.run([sys.executable, "-m", "services.admin.cli", *args, "--help"],
                              capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
         assert res.returncode == 0 and "Usage:" in res.stdout, (args, res.stderr[-1000:])

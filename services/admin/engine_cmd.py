@@ -60,6 +60,13 @@ def parse_ranks(spec: str) -> list[int]:
     return sorted(ranks)
 
 
+def host_ranks(host_index: int, per_host: int) -> list[int]:
+    """A StatefulSet's pod ``host_index`` of ``per_host`` ranks each: its contiguous block."""
+    if host_index < 0 or per_host < 1:
+        raise BadOption(f"--host-index must be >= 0 and --ranks-per-host >= 1, not {host_index} and {per_host}")
+    return list(range(host_index * per_host, (host_index + 1) * per_host))
+
+
 def ranks_text(ranks: list[int]) -> str:
     """The inverse of parse_ranks, for the banner: [0, 1, 2, 5] -> '0-2,5'."""
     out, start = [], None
@@ -290,6 +297,11 @@ def register(app: typer.Typer) -> None:
     def engine(
         ranks: Optional[str] = typer.Option(None, "--ranks", help="This host's ranks: A-B (e.g. 8-15), N, or a comma "
                                                                    "list. None: a host of --spares only."),
+        ranks_per_host: Optional[int] = typer.Option(None, "--ranks-per-host",
+                                                     help="With --host-index instead of --ranks: host I runs ranks "
+                                                          "I*R .. I*R+R-1 (a StatefulSet's pods)."),
+        host_index: Optional[int] = typer.Option(None, "--host-index",
+                                                 help="This host's index (a StatefulSet pod's ordinal)."),
         redis_url: Optional[str] = typer.Option(None, "--redis-url", envvar="LOCKSTEP_REDIS_URL",
                                                 help="The group's Redis: redis://, rediss://, redis+cluster://, "
                                                      "redis+sentinel://."),
@@ -326,10 +338,13 @@ def register(app: typer.Typer) -> None:
             fail(f"--device must be 'cpu' or 'cuda', not {device!r}")
         if not redis_url:
             fail("lockstep engine joins its group through Redis: pass --redis-url URL (or set LOCKSTEP_REDIS_URL)")
-        if not ranks and spares < 1:
+        if (ranks_per_host is None) != (host_index is None) or (ranks and host_index is not None):
+            fail("give --ranks A-B, or both --ranks-per-host R and --host-index I (not both ways)")
+        if not ranks and host_index is None and spares < 1:
             fail("say what runs here: --ranks A-B (this host's ranks), --spares K (hot spares), or both")
         try:
-            wanted = parse_ranks(ranks) if ranks else []
+            wanted = (parse_ranks(ranks) if ranks else host_ranks(host_index, ranks_per_host)
+                      if host_index is not None else [])
             asyncio.run(check_reachable(redis_url))
             world = resolve_world(wanted, world_size, asyncio.run(published_world(redis_url, namespace)))
             addr = advertise_addr or default_advertise_addr(redis_url)
