@@ -11,8 +11,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.api_server.metrics import ApiMetrics
+from services.api_server.metrics import ApiMetrics, unplaced
 from services.api_server.metrics_dir import prepare
+from shared import keys as K
+from shared.bus import connect
+from tests.helpers import poll_until
 
 pytestmark = pytest.mark.slow
 MODEL = "lockstep-moe"
@@ -72,6 +75,70 @@ def test_every_scrape_reports_the_whole_port(sim_cluster):
         assert _get(s, "lockstep_api_inflight") == 0
         for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
             assert (gauge, tuple(m.items())) in s, gauge
+
+
+def test_waiting_counts_the_requests_the_scheduler_has_not_placed(sim_cluster):
+    """vllm:num_requests_waiting: every request accepted and not yet running, including
+    those still on the scheduler's stream. The scheduler is stopped (SIGSTOP) while
+    requests arrive, so they stay unplaced for as long as the test looks; then it resumes
+    and every request completes."""
+    import os
+    import signal
+    import threading
+
+    import redis
+
+    root = sim_cluster.api_url.rsplit("/v1", 1)[0]
+    r = redis.Redis.from_url(sim_cluster.redis_url)
+    keys = K.Keys(sim_cluster.namespace)
+    pid = int(r.hget(keys.scheduler, "pid"))
+    m = {"model_name": MODEL}
+    results: list[int] = []
+
+    def one(i: int) -> None:
+        with openai.OpenAI(base_url=sim_cluster.api_url, api_key="unused", max_retries=0, timeout=60) as c:
+            results.append(c.completions.create(model=MODEL, prompt=f"held {i}", max_tokens=3,
+                                                extra_body={"ignore_eos": True}).usage.completion_tokens)
+
+    def unread() -> int:
+        groups = {g["name"]: g for g in r.xinfo_groups(keys.requests)}
+        g = groups[K.SCHEDULER_GROUP.encode()]
+        return int(g["pending"]) + int(g["lag"] or 0)
+
+    n = 5
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for t in threads:
+            t.start()
+        poll_until(lambda: unread() == n, 30, "the requests on the scheduler's stream")
+        for _ in range(3):                      # any replica answers, each says the same
+            s = _scrape(root)
+            assert _get(s, "vllm:num_requests_waiting", **m) == n
+            assert _get(s, "vllm:num_requests_running", **m) == 0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        for t in threads:
+            t.join(60)
+    assert results == [3] * n
+    poll_until(lambda: _get(_scrape(root), "vllm:num_requests_waiting", **m) == 0, 30, "waiting back to 0")
+
+
+async def test_unplaced_is_the_groups_pending_and_lag(redis_url, namespace):
+    """Entries read and not acked (held) and entries not read yet both count; acked ones
+    (placed) do not; no stream yet is 0."""
+    r = connect(redis_url)
+    keys = K.Keys(namespace)
+    try:
+        assert await unplaced(r, keys) == 0
+        await r.xgroup_create(keys.requests, K.SCHEDULER_GROUP, id="0", mkstream=True)
+        ids = [await r.xadd(keys.requests, {"d": b"{}"}) for _ in range(4)]
+        await r.xreadgroup(K.SCHEDULER_GROUP, "c", {keys.requests: ">"}, count=3)   # 3 read, 1 not
+        await r.xack(keys.requests, K.SCHEDULER_GROUP, ids[0])                      # 1 placed
+        assert await unplaced(r, keys) == 3
+    finally:
+        await r.delete(keys.requests)
+        await r.aclose()
 
 
 def test_a_dead_replicas_live_gauge_is_retired(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ from services.api_server.gateway import Gateway, RequestChannel, client_policy
 from services.api_server.choice import feed as _feed, final, prompt_part, text_tokens as _text_tokens
 from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, names_for
 from services.api_server.multi import run_multi
-from services.api_server.metrics import ApiMetrics
+from services.api_server.metrics import ApiMetrics, unplaced
 from services.api_server import hf_text
 from services.api_server.bodies import add_components, openapi_body
 from services.api_server.protocol import (CHAT_TEMPLATE, SPECIAL_TOKENS, ParsedRequest, parse, parse_detokenize,
@@ -182,8 +182,9 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
     async def prom() -> Response:
         gw = state.get("gw")
         if gw is not None and not gw.client_dispatch:
-            try:
-                await asyncio.wait_for(gw.refresh_snapshot(), 1.0)
+            try:   # the ranks' view and the scheduler's stream (both in vllm:num_requests_waiting)
+                _, n = await asyncio.wait_for(asyncio.gather(gw.refresh_snapshot(), unplaced(state["r"], keys)), 1.0)
+                metrics.observe_unplaced(n)
             except Exception:  # noqa: BLE001 - metrics still served, without a fresh view
                 pass
         if gw is not None and gw.policy is not None:

@@ -5,6 +5,10 @@ random: with ``multiproc_dir`` (services/api_server/metrics_dir.py) every replic
 its values there (prometheus_client's multiprocess mode) and any replica's /metrics
 reports the sum over all of them: counters and histograms summed, ``inflight`` summed over
 live replicas, the load-view gauges (the same snapshot on every replica) the most recent.
+
+``vllm:num_requests_waiting`` counts every request accepted and not yet running on a rank:
+the ranks' queues (the snapshot) and, read at each scrape, the requests the scheduler has
+not placed yet, unread or held on the request stream (its group's lag and pending).
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from shared import keys as K
+from shared.replies import as_str, str_keys
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # vLLM's buckets, so dashboards built for it read the same
@@ -74,8 +81,11 @@ class ApiMetrics:
         m = ["model_name"]
         self.v_running = Gauge("vllm:num_requests_running", "Requests running on the ranks (KV allocated)", m,
                                registry=r, multiprocess_mode=last).labels(model)
-        self.v_waiting = Gauge("vllm:num_requests_waiting", "Requests queued on the ranks, not yet running", m,
+        self.v_waiting = Gauge("vllm:num_requests_waiting", "Requests accepted and not yet running: queued on "
+                               "the ranks or not yet placed by the scheduler", m,
                                registry=r, multiprocess_mode=last).labels(model)
+        self._rank_waiting = 0      # the two parts of v_waiting: the last snapshot's ...
+        self._unplaced = 0          # ... and the scheduler's stream at the last scrape
         self.v_kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, mean over the ranks (1 = full)", m,
                           registry=r, multiprocess_mode=last).labels(model)
         self.v_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", m, buckets=_V_TTFT,
@@ -136,7 +146,8 @@ class ApiMetrics:
         carried = set(snap.carried)
         ranks = list(snap.ranks.values())
         self.v_running.set(sum(st.running for st in ranks))
-        self.v_waiting.set(sum(st.waiting for st in ranks))
+        self._rank_waiting = sum(st.waiting for st in ranks)
+        self.v_waiting.set(self._rank_waiting + self._unplaced)
         self.v_kv.set(sum(st.kv_usage for st in ranks) / len(ranks) if ranks else 0.0)
         for rank, st in snap.ranks.items():
             rk = str(rank)
@@ -147,6 +158,11 @@ class ApiMetrics:
             for dispatcher, seq in st.recv.items():
                 self.rank_received.labels(rk, dispatcher).set(seq)
 
+    def observe_unplaced(self, n: int) -> None:
+        """Requests the scheduler has not placed on a rank yet (:func:`unplaced`)."""
+        self._unplaced = n
+        self.v_waiting.set(self._rank_waiting + n)
+
     def observe_policy(self, policy: Any) -> None:
         """Numeric counters of a client-dispatch policy (decisions, reconciled, ...)."""
         get = getattr(policy, "counters", None) or getattr(policy, "stats", None)
@@ -155,3 +171,22 @@ class ApiMetrics:
         for k, v in get().items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 self.policy.labels(k).set(v)
+
+
+def unplaced_of(groups: Any) -> int:
+    """From XINFO GROUPS of the request stream: entries the scheduler's group has not read
+    (lag) or read and not acked (pending: held for placement, or deferred). An entry is
+    acked in the same transaction that places it (services/scheduler/intake.py)."""
+    for g in groups if isinstance(groups, list) else ():
+        g = str_keys(g)
+        if as_str(g.get("name", "")) == K.SCHEDULER_GROUP:
+            return int(g.get("pending") or 0) + int(g.get("lag") or 0)   # lag is nil when Redis cannot tell
+    return 0
+
+
+async def unplaced(r: Any, keys: K.Keys) -> int:
+    """Requests accepted and not yet placed on a rank (one XINFO GROUPS)."""
+    pipe = r.pipeline(transaction=False)      # raise_on_error=False: a stream not made yet is 0
+    pipe.xinfo_groups(keys.requests)
+    (groups,) = await pipe.execute(raise_on_error=False)
+    return unplaced_of(groups)
