@@ -59,12 +59,18 @@ def test_a_row_of_the_wrong_width_is_a_local_error():
 
 KILL_WORLD = 4
 KILL_TIMEOUT_S = 60
+# The kill waits until every rank has stepped this often. Killed right after the group
+# formed (as it was, on "init done"), rank 2 could die before the others' first
+# collective: gloo then had no operation pending on the pairs to it, noticed nothing,
+# and every survivor waited out its whole timeout (seen under load: nobody in 120 s).
+# The claim is about a group in its step loop, where an engine's ranks always are.
+STEPPING_AFTER = 3
 
 
 def _rank_until_broken(rank: int, port: int, out: "mp.Queue", done: Any) -> None:
     from services.engine_worker.lockstep import FIELDS, GroupBroken, LockstepGroup
     group = LockstepGroup.init(rank, KILL_WORLD, "127.0.0.1", port, timeout_s=KILL_TIMEOUT_S)
-    out.put(("up", rank, os.getpid()))
+    steps = 0
     try:
         while True:
             if rank == 0:
@@ -72,6 +78,9 @@ def _rank_until_broken(rank: int, port: int, out: "mp.Queue", done: Any) -> None
                 # neighbours first, and rank 0 then blocks on one of them, not on rank 2.
                 time.sleep(0.2)
             group.exchange([rank] * FIELDS)
+            steps += 1
+            if steps == STEPPING_AFTER:
+                out.put(("stepping", rank, os.getpid()))
     except GroupBroken:
         # Close inside the except block, as a worker naturally would: the group must still
         # be freed, so peers waiting on this rank fail now.
