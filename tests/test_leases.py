@@ -49,31 +49,25 @@ def test_lease_scripts_are_fenced_by_token(redis_url, namespace):
         r.close()
 
 
-class FakeRank(GroupMembership):
-    """The membership half of an engine rank, without a group: enough to run its
-    liveness thread against Redis."""
-
-    def __init__(self, redis_url: str, namespace: str) -> None:
-        self.s = EngineSettings(redis_url=redis_url, namespace=namespace, ranks=1, heartbeat_ms=100,
-                                collective_timeout_s=0.2)
-        self.keys = K.Keys(namespace)
-        self.log = configure("engine-worker", "error")
-        self.rank = 0
-        self.token = uuid.uuid4().hex
-        self.stepping = False
-        self.progress_t = None
-        self.lost = threading.Event()
-
-    def _on_slot_lost(self, holder) -> None:   # the real one exits the process
-        self.lost.set()
+def _rank(redis_url: str, namespace: str) -> GroupMembership:
+    """The membership of an engine rank, without a group: enough to run its liveness
+    thread against Redis. Losing the slot sets ``lost`` (the real one exits the process)."""
+    lost = threading.Event()
+    m = GroupMembership(EngineSettings(redis_url=redis_url, namespace=namespace, ranks=1, heartbeat_ms=100,
+                                       collective_timeout_s=0.2),
+                        None, K.Keys(namespace), configure("engine-worker", "error"), asyncio.Event(),
+                        uuid.uuid4().hex, counters=lambda: (0, 0), adopt=lambda w, s: None,
+                        on_slot_lost=lambda holder: lost.set())
+    m.rank, m.lost = 0, lost   # type: ignore[attr-defined]
+    return m
 
 
 def test_heartbeat_never_overwrites_a_new_owner(redis_url, namespace):
-    rank = FakeRank(redis_url, namespace)
+    rank = _rank(redis_url, namespace)
     r = redis.Redis.from_url(redis_url)
     key = rank.keys.rank_alive(0)
     r.set(key, rank.token, px=300)
-    stop = rank._start_liveness()
+    stop = rank.start_liveness()
     try:
         _wait(lambda: r.pttl(key) > 0 and r.get(key) == rank.token.encode(), 5, "first beat")
         r.set(key, "replacement", px=5000)      # a spare took the slot while we were stuck
@@ -88,12 +82,12 @@ def test_wedged_rank_loses_its_slot_and_fails_the_health_check(redis_url, namesp
     monkeypatch.setenv("LOCKSTEP_REDIS_URL", redis_url)
     monkeypatch.setenv("LOCKSTEP_NAMESPACE", namespace)
     monkeypatch.setenv("LOCKSTEP_RANKS", "1")
-    rank = FakeRank(redis_url, namespace)
+    rank = _rank(redis_url, namespace)
     r = redis.Redis.from_url(redis_url)
     key = rank.keys.rank_alive(0)
     r.set(key, rank.token, px=300)
     rank.stepping, rank.progress_t = True, time.monotonic()
-    stop = rank._start_liveness()
+    stop = rank.start_liveness()
     try:
         _wait(lambda: r.hget(rank.keys.rank_info(0), "token") == rank.token.encode(), 5, "first beat")
         assert asyncio.run(healthcheck.check("engine")) is None

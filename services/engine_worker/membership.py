@@ -1,12 +1,13 @@
 """How one engine process belongs to the DP+EP group: rank slot, heartbeat, rendezvous,
 and re-forming the group when a rank dies or a replacement joins.
 
-A mixin of EngineWorker (it uses the worker's settings, Redis client, log and core), kept
-apart because it is one idea: membership, not stepping.
+An object the worker owns, with explicit inputs: the settings, the Redis client, the log,
+the stop event, and two callbacks for the group's (wave, step) counters, which the worker
+steps and a formation may replace (``counters`` reads them, ``adopt`` sets them).
 
 - A rank slot is claimed with ``SET <ns>:rank:<r>:alive <token> NX PX`` and kept alive by
-  a liveness thread (independent of the event loop, which the step collective blocks);
-  a loop task aborts requests of api-servers whose heartbeat lapsed.
+  a liveness thread (independent of the event loop, which the step collective blocks)
+  while the step loop makes progress (``mark_progress``).
 - The group has a generation (``<ns>:dist`` ``gen``): rank 0 publishes where generation g+1
   meets; the others wait for a generation newer than theirs. On a failed collective, or a
   replacement's notice while paused, every rank leaves and meets again.
@@ -21,7 +22,6 @@ import threading
 import time
 from typing import Any, Callable
 
-from services.engine_worker.api_liveness import ApiLiveness
 from services.engine_worker.lockstep import GroupBroken, LockstepGroup
 from shared import keys as K
 from shared import lease
@@ -41,23 +41,25 @@ class GroupLost(RuntimeError):
 
 
 class GroupMembership:
-    """Membership half of EngineWorker (see the module docstring)."""
+    """This process's place in the engine group (see the module docstring). Owns the rank,
+    the group (``group``, what the step loop exchanges on), its generation and the
+    re-formation count."""
 
-    s: Any
-    r: Any
-    log: Any
-    keys: K.Keys
-    rank: int
-    token: str
-    gen: int
-    wave: int
-    step: int
-    reforms: int
-    stopping: asyncio.Event
-    core: Any
-    _aborted: list[Any]
+    def __init__(self, settings: Any, r: Any, keys: K.Keys, log: Any, stopping: asyncio.Event, token: str,
+                 counters: Callable[[], tuple[int, int]], adopt: Callable[[int, int], None],
+                 on_slot_lost: Callable[[Any], None] | None = None) -> None:
+        self.s, self.r, self.keys, self.log, self.stopping, self.token = settings, r, keys, log, stopping, token
+        self.counters, self.adopt = counters, adopt
+        if on_slot_lost is not None:
+            self._on_slot_lost = on_slot_lost   # type: ignore[method-assign] - tests: not exit
+        self.rank = settings.rank               # -1 until a slot is claimed (any free one)
+        self.gen = 0                            # generation of the engine group this rank is in
+        self.reforms = 0
+        self.group: LockstepGroup | None = None
+        self.stepping = False                   # the step loop runs (liveness then follows its progress)
+        self.progress_t: float | None = None    # monotonic time of the step loop's last round
 
-    async def _claim_rank(self) -> int:
+    async def claim_rank(self) -> int:
         """Take a rank slot with SET NX PX: the first free one, or the one asked for."""
         ttl = self.s.heartbeat_ms * 3
         wanted = [self.rank] if self.rank >= 0 else list(range(self.s.ranks))
@@ -82,7 +84,7 @@ class GroupMembership:
             await pipe.execute()
         return won[0] if won else None
 
-    async def _wait_as_spare(self) -> int | None:
+    async def wait_as_spare(self) -> int | None:
         """Hot spare: everything is imported and connected; wait, without limit, for a rank
         slot to free and take it. ``lockstep up`` pushes the rank of a process it saw die to
         the vacancies list (the pop wakes this at once); without a supervisor the slot frees
@@ -113,7 +115,7 @@ class GroupMembership:
             except Exception:  # noqa: BLE001 - it lapses within its TTL anyway
                 pass
 
-    def _mark_progress(self) -> None:
+    def mark_progress(self) -> None:
         """The step loop (or a pause, a hold, a re-formation) went round once more."""
         self.progress_t = time.monotonic()
 
@@ -126,8 +128,8 @@ class GroupMembership:
     def _stalled_s(self) -> float | None:
         """Seconds since the step loop's last round when that exceeds the bound (a wedged
         rank), else None. Before the step loop starts (start-up, model load) never."""
-        t = getattr(self, "progress_t", None)
-        if t is None or not getattr(self, "stepping", False):
+        t = self.progress_t
+        if t is None or not self.stepping:
             return None
         idle = time.monotonic() - t
         return idle if idle > self._stall_bound_s() else None
@@ -139,14 +141,14 @@ class GroupMembership:
         self.log.error("rank_slot_lost", holder=str(holder)[:40])
         os._exit(5)
 
-    def _start_liveness(self) -> Callable[[], None]:
+    def start_liveness(self) -> Callable[[], None]:
         """Renew this rank's alive key (and identity) from a thread with its own connection.
 
         The step collective runs on the event loop thread (a thread hop would cost more
         than the collective itself), and a hung peer holds it there for up to
         collective_timeout_s, longer than the key lives: liveness must not depend on the
         loop. But it follows it: the key is renewed only while the step loop makes
-        progress (``_mark_progress`` within ``_stall_bound_s``); a wedged rank stops
+        progress (``mark_progress`` within ``_stall_bound_s``); a wedged rank stops
         renewing, its slot lapses and a spare takes it, and ``stalled_s`` in its info
         tells the health check why. Renewal is fenced (shared/lease.py): it never
         overwrites another owner's token; finding one, this process leaves
@@ -194,49 +196,24 @@ class GroupMembership:
 
         return stop
 
-    async def _watch_api_servers(self) -> None:
-        """Whose requests run here: an api-server that stopped beating has no reader for
-        their tokens, so they are aborted instead of running to the end (after a grace
-        that outlasts a Redis failover: api_liveness.py)."""
-        liveness = ApiLiveness(grace_s=max(5.0, 5 * self.s.heartbeat_ms / 1000))
-        while True:
-            apis = sorted({q.api for q in (*self.core.running, *self.core.waiting)})
-            if apis:
-                try:
-                    pipe = self.r.pipeline(transaction=False)
-                    for api in apis:
-                        pipe.exists(self.keys.api_alive(api))
-                    res = await pipe.execute()
-                    dead = liveness.observe(time.monotonic(), {api: bool(alive) for api, alive in zip(apis, res)})
-                    if dead:
-                        self._abort_owned_by(dead)
-                except Exception as exc:  # noqa: BLE001 - checked again next beat
-                    self.log.warning("api_server_check_failed", error=str(exc)[:200])
-            await asyncio.sleep(self.s.heartbeat_ms / 1000)
-
-    def _abort_owned_by(self, dead_apis: set[str]) -> None:
-        ids = [q.id for q in (*self.core.running, *self.core.waiting) if q.api in dead_apis]
-        for sid in ids:
-            seq = self.core.abort(sid, time.time())
-            if seq is not None:
-                self._aborted.append(seq)
-        if ids:
-            self.log.warning("aborted_requests_of_dead_api_server", apis=sorted(dead_apis), n=len(ids))
-
-    async def _prepare_streams(self) -> None:
+    async def prepare_streams(self, consumer: str) -> tuple[bytes, bytes]:
+        """The inbox's consumer group and this process's identity in ``<ns>:rank:<r>:info``;
+        returns where reading starts: the inbox's last delivered id and the last wake notice."""
+        inbox_last, wave_last = b"0-0", b"0-0"
         inbox = self.keys.inbox(self.rank)
         await ensure_group(self.r, inbox, K.ENGINE_GROUP, "0")
         groups = await self.r.xinfo_groups(inbox)
         for g in groups:
             g = str_keys(g)
             if g["name"] in (K.ENGINE_GROUP, K.ENGINE_GROUP.encode()):
-                self.inbox_last = g["last-delivered-id"]
+                inbox_last = g["last-delivered-id"]
         last = await self.r.xrevrange(self.keys.wave, count=1)
         if last:
-            self.wave_last = last[0][0]
+            wave_last = last[0][0]
         await self.r.hset(self.keys.rank_info(self.rank), mapping={
             "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend,
-            "started": time.time(), "token": self.token, "consumer": self.consumer})
+            "started": time.time(), "token": self.token, "consumer": consumer})
+        return inbox_last, wave_last
 
     async def _rendezvous(self) -> tuple[str, int]:
         """Rank 0 publishes where the group meets, with a generation one above the last;
@@ -253,7 +230,7 @@ class GroupMembership:
             return self.s.group_host, port
         deadline = time.monotonic() + max(self.s.collective_timeout_s, 60.0)
         while time.monotonic() < deadline and not self.stopping.is_set():
-            self._mark_progress()
+            self.mark_progress()
             d = await self.r.hgetall(self.keys.dist)
             rank0 = await self.r.get(self.keys.rank_alive(0))
             if d and rank0 and d.get(b"token") == rank0 and int(d.get(b"gen", 0)) > self.gen:
@@ -262,7 +239,7 @@ class GroupMembership:
             await asyncio.sleep(0.05)
         raise TimeoutError("rank 0 did not publish the rendezvous address in time")
 
-    async def _form_group(self) -> None:
+    async def form_group(self) -> None:
         addr, port = await self._rendezvous()
         group = await asyncio.to_thread(
             LockstepGroup.init, self.rank, self.s.ranks, addr, port, self.s.collective_timeout_s, self.s.device,
@@ -288,13 +265,14 @@ class GroupMembership:
         largest (wave, step) of the group: the survivors keep theirs (they are equal:
         they stepped in lockstep), the replacement takes them over, and each rank's
         reports stay ordered per rank for the scheduler's aggregator."""
-        rows = await asyncio.to_thread(group.gather, [self.wave, self.step])
+        was_wave, was_step = self.counters()
+        rows = await asyncio.to_thread(group.gather, [was_wave, was_step])
         wave, step = max((int(w), int(st)) for w, st in rows)
-        if (wave, step) != (self.wave, self.step):
-            self.log.info("engine_counters_adopted", wave=wave, step=step, was_wave=self.wave, was_step=self.step)
-        self.wave, self.step = wave, step
+        if (wave, step) != (was_wave, was_step):
+            self.log.info("engine_counters_adopted", wave=wave, step=step, was_wave=was_wave, was_step=was_step)
+        self.adopt(wave, step)
 
-    async def _announce_replacement(self) -> None:
+    async def announce_replacement(self) -> None:
         """Joining a group that already ran (this rank replaces a dead one): wake the
         paused survivors so they re-form now instead of at their next collective timeout."""
         d = await self.r.hgetall(self.keys.dist)
@@ -307,7 +285,7 @@ class GroupMembership:
                               maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
             self.log.warning("engine_replacing_rank", gen=self.gen)
 
-    async def _reform(self, why: str) -> bool:
+    async def reform(self, why: str) -> bool:
         """The group broke (a rank died or hung) or a replacement joined: leave the old
         group and meet again under a new generation. Work on this rank stays in memory;
         a step whose collectives were cut is simply computed again.
@@ -321,9 +299,9 @@ class GroupMembership:
         await self._leave_group()
         deadline = time.monotonic() + self.s.reform_timeout_s
         while not self.stopping.is_set():
-            self._mark_progress()
+            self.mark_progress()
             try:
-                await self._form_group()
+                await self.form_group()
                 self.reforms += 1
                 return True
             except Exception as exc:  # noqa: BLE001 - retry the rendezvous until the group is whole
@@ -339,7 +317,7 @@ class GroupMembership:
         return False
 
     async def _leave_group(self) -> None:
-        old, self.group = getattr(self, "group", None), None
+        old, self.group = self.group, None
         try:
             if old is not None:
                 await asyncio.wait_for(asyncio.to_thread(old.close), 10)
@@ -348,15 +326,17 @@ class GroupMembership:
         except Exception:  # noqa: BLE001 - a broken group may not close cleanly
             pass
 
-    async def _release(self) -> None:
+    async def release(self, group_stopped: bool, leaving: bool) -> None:
+        """Give the slot back (and with it what the next owner needs); close the group.
+        ``group_stopped``: the whole group stopped together; ``leaving``: this rank left alone."""
         try:
             pipe = self.r.pipeline(transaction=False)
             lease.release(pipe, self.keys.rank_alive(self.rank), self.token)   # only if still ours
-            if self.rank == 0 and getattr(self, "group_stopped", False):
+            if self.rank == 0 and group_stopped:
                 # Only when the whole group stops: a rank 0 that leaves alone (lost the
                 # group, killed) keeps ``ran`` there, so a spare may take its slot.
                 pipe.delete(self.keys.dist)
-            if getattr(self, "leaving", False) and not getattr(self, "group_stopped", False):
+            if leaving and not group_stopped:
                 # A planned leave (a rolling restart): a spare may take the slot now (the
                 # pop wakes it), and the drain was this process's: the slot's next owner
                 # gets work once the group re-forms. (The consumer is left for the
@@ -367,11 +347,10 @@ class GroupMembership:
             await pipe.execute()
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
-        grp = getattr(self, "group", None)
+        grp = self.group
         if grp is not None:
             try:
                 await asyncio.to_thread(grp.close)
             except Exception:  # noqa: BLE001 - a broken group may not close cleanly
                 pass
-        await self.r.aclose()
 

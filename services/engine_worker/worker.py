@@ -28,6 +28,7 @@ from shared.messages import FIELD, Abort, Delta, MessageError, Request, dumps, e
 from shared.settings import EngineSettings
 from shared.stats import RankStats
 from services.engine_worker.block_manager import BlockManager
+from services.engine_worker.api_watch import watch_api_servers
 from services.engine_worker.membership import ClaimFailed, GroupLost, GroupMembership
 from services.engine_worker.recv_marks import RecvMarks
 from services.engine_worker.batch_gate import BatchGate
@@ -49,7 +50,7 @@ LEAVE = 2          # this rank leaves alone (SIGTERM): the others re-form withou
 HOLD_POLL_MS = 2   # while every rank only has gated prefills: meet again this often (bounded by the gate timeout)
 
 
-class EngineWorker(GroupMembership):
+class EngineWorker:
     def __init__(self, settings: EngineSettings) -> None:
         self.s = settings
         self.keys = K.Keys(settings.namespace)
@@ -93,12 +94,8 @@ class EngineWorker(GroupMembership):
         self.exchange_s = 0.0                     # wall time in the step collective (incl. waiting for peers)
         self._reread_from: str | bytes | None = None   # after a Redis error: re-read our pending entries from here
         self._history_read = False                # the read in flight is such a re-read (paged until empty)
-        self.gen = 0                              # generation of the engine group this rank is in
-        self.reforms = 0
         self._reform_requested = False
         self.group_stopped = False                # the whole group stopped together (not: this rank left it)
-        self.stepping = False                     # the step loop runs (liveness then follows its progress)
-        self.progress_t: float | None = None      # monotonic time of the step loop's last round
         self.consumer = ""
 
     # ------------------------------------------------------------------ start-up
@@ -107,41 +104,44 @@ class EngineWorker(GroupMembership):
         if r is None:
             return 2
         self.r = r
+        self.member = GroupMembership(self.s, r, self.keys, self.log, self.stopping, self.token,
+                                      counters=lambda: (self.wave, self.step), adopt=self._adopt_counters)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._on_leave_signal)
         loop.add_signal_handler(signal.SIGINT, self._on_stop_signal)
         if self.s.spare:
             self._preload_backend()
-            rank = await retrying(self._wait_as_spare, log=self.log, what="spare")
+            rank = await retrying(self.member.wait_as_spare, log=self.log, what="spare")
             if rank is None:
                 await self.r.aclose()
                 return 0
-            self.rank = rank
+            self.rank = self.member.rank = rank
         else:
             try:
-                self.rank = await self._claim_rank()
+                self.rank = self.member.rank = await self.member.claim_rank()
             except ClaimFailed as exc:
                 self.log.error("rank_claim_failed", error=str(exc))
                 return 3
-        self.log = self.log.bind(rank=self.rank)
+        self.log = self.member.log = self.log.bind(rank=self.rank)
         self.gate.rank = self.rs.rank = self.rank
         # A new consumer name per incarnation: what a dead predecessor left pending stays
         # under its own name, where the scheduler finds it and resumes it elsewhere.
         self.consumer = f"rank{self.rank}-{self.token[:8]}"
-        liveness = self._start_liveness()
-        watcher = asyncio.create_task(self._watch_api_servers())
+        liveness = self.member.start_liveness()
+        watcher = asyncio.create_task(watch_api_servers(self.r, self.keys, self.core, self.s.heartbeat_ms / 1000,
+                                                        self._aborted.append, self.log))
         try:
-            await self._prepare_streams()
-            await self._announce_replacement()
+            self.inbox_last, self.wave_last = await self.member.prepare_streams(self.consumer)
+            await self.member.announce_replacement()
             try:
-                await self._form_group()
-            except Exception as exc:  # noqa: BLE001 - as in _reform: c10d's store errors, a rendezvous timeout
+                await self.member.form_group()
+            except Exception as exc:  # noqa: BLE001 - as in reform: c10d's store errors, a rendezvous timeout
                 # Missed the rendezvous (a slow start: rank 0 gave up waiting and meets
                 # again under a new generation). Retry here, bounded, like a re-formation:
                 # exiting would re-import everything and, on a loaded machine, miss the
                 # next one too (seen: a restarted rank 1 missed 4 in a row; rank 0 gave up).
                 try:
-                    if not await self._reform(f"first formation failed: {str(exc)[:160]}"):
+                    if not await self.member.reform(f"first formation failed: {str(exc)[:160]}"):
                         return 0
                 except GroupLost as lost:
                     self.log.error("engine_group_lost", error=str(lost))
@@ -163,7 +163,12 @@ class EngineWorker(GroupMembership):
         finally:
             watcher.cancel()
             await asyncio.to_thread(liveness)   # its last beat lands before the alive key is dropped
-            await self._release()
+            await self.member.release(self.group_stopped, self.leaving)
+            await self.r.aclose()
+
+    def _adopt_counters(self, wave: int, step: int) -> None:
+        """The group's (wave, step), adopted at every formation (membership.py)."""
+        self.wave, self.step = wave, step
 
     def _on_leave_signal(self) -> None:
         if not self.stopping.is_set():
@@ -191,16 +196,16 @@ class EngineWorker(GroupMembership):
 
     # ------------------------------------------------------------------ step loop
     async def _step_loop(self) -> None:
-        self.stepping = True        # from now on liveness follows the loop's progress
+        self.member.stepping = True        # from now on liveness follows the loop's progress
         while True:
-            self._mark_progress()
+            self.member.mark_progress()
             self._ingest()
             plan, row = self.rs.plan(time.monotonic(), self.stopping.is_set() and not self.leaving)
             if self.leaving:
                 row[F_STOP] = LEAVE
             if self._reform_requested:
                 self._reform_requested = False
-                if not await self._reform("a replacement rank joined"):
+                if not await self.member.reform("a replacement rank joined"):
                     return
             tx = time.perf_counter()
             if trace.ENABLED:
@@ -208,9 +213,9 @@ class EngineWorker(GroupMembership):
             try:
                 # On the loop thread: a thread hop costs more than the collective, and the
                 # loop has nothing else to do meanwhile (liveness beats from its own thread).
-                view: StepView = self.group.exchange(row)
+                view: StepView = self.member.group.exchange(row)
             except GroupBroken as exc:         # a peer died or hung past the collective timeout
-                if not await self._reform(f"step collective failed: {str(exc)[:160]}"):
+                if not await self.member.reform(f"step collective failed: {str(exc)[:160]}"):
                     return
                 continue
             self.exchange_s += time.perf_counter() - tx
@@ -225,7 +230,7 @@ class EngineWorker(GroupMembership):
                     self.left = True
                     self.log.warning("engine_leaving_group", wave=self.wave, step=self.step)
                     return
-                if not await self._reform(f"rank(s) {leavers} left the group"):
+                if not await self.member.reform(f"rank(s) {leavers} left the group"):
                     return
                 continue
             action, released = self.rs.decide(plan, view, time.monotonic())
@@ -249,7 +254,7 @@ class EngineWorker(GroupMembership):
             try:
                 sampled = await self._forward(plan, action, view)
             except GroupBroken as exc:         # the all-to-all was cut: this step is recomputed
-                if not await self._reform(f"forward collective failed: {str(exc)[:160]}"):
+                if not await self.member.reform(f"forward collective failed: {str(exc)[:160]}"):
                     return
                 continue
             outputs = self.core.postprocess(plan, sampled, time.time())
@@ -368,7 +373,7 @@ class EngineWorker(GroupMembership):
             outstanding=outstanding, idle=action is Action.IDLE,
             dur_ms=round(dur_ms, 3), t=now, finished=finished, held=plan.held, recv=self.recv.as_dict(time.monotonic()),
             extra={"gate_full": self.gate.released_full, "gate_timeout": self.gate.released_timeout,
-                   "preemptions": self.core.num_preemptions, "reforms": self.reforms, "gen": self.gen, "round_trips": self.round_trips,
+                   "preemptions": self.core.num_preemptions, "reforms": self.member.reforms, "gen": self.member.gen, "round_trips": self.round_trips,
                    "exchange_s": round(self.exchange_s, 6),
                    "comm_s": round(getattr(self.backend, "comm_seconds", 0.0), 6)},
             prefill_pending=pending)
@@ -520,7 +525,7 @@ class EngineWorker(GroupMembership):
         arrived: list[tuple[bytes, dict[str, Any]]] = []
         notified = False
         while not (arrived or notified or self._reform_requested or self.stopping.is_set()):
-            self._mark_progress()   # paused is legitimate: the read returns every heartbeat
+            self.member.mark_progress()   # paused is legitimate: the read returns every heartbeat
             self.round_trips += 1
             resp = await retrying(lambda: self.r.xread({inbox: self.inbox_last, self.keys.wave: self.wave_last},
                                                        block=self.s.heartbeat_ms, count=16),
@@ -528,7 +533,7 @@ class EngineWorker(GroupMembership):
             for stream, eid, doc in decode_entries(resp):
                 if stream.decode() == self.keys.wave:
                     self.wave_last = eid
-                    if doc.get("reform") and doc.get("r") != self.rank and int(doc["reform"]) >= self.gen:
+                    if doc.get("reform") and doc.get("r") != self.rank and int(doc["reform"]) >= self.member.gen:
                         self._reform_requested = True
                     elif int(doc.get("w", -1)) >= self.wave:
                         notified = True
