@@ -34,7 +34,7 @@ class MessageError(ValueError):
 
 def encode(msg: Struct) -> bytes:
     """A message's wire form (the value of an entry's ``d`` field)."""
-    if type(msg) is Request:
+    if isinstance(msg, (Request, SamplingParams)):   # the two with a denser wire form
         msg = msg._wire()
     return _encoder.encode(msg)
 

@@ -86,6 +86,7 @@ def test_short_keys_and_defaults_left_out():
                "gd": ["regex", "a+"]}}
     # a prompt with an id above 255 goes as a list
     assert _wire(Request(id="r", api="a", prompt=[1, 256], params=SamplingParams(), arrival=0.0))["p"] == [1, 256]
+    assert _wire(SamplingParams(logit_bias={3: 1.0}))["lb"] == [[3, 1.0]]   # pairs on their own too
     assert _wire(Abort("r")) == {"k": "abort", "id": "r", "r": None, "why": "client_disconnected"}
     assert orjson.loads(encode_deltas([Delta("r", 4, [7], rank=0), Delta("s", 1, [], "stop", 9, 0, epoch=1)])) == {
         "k": "out", "ds": [{"id": "r", "o": 4, "t": [7], "r": 0},
