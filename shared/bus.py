@@ -193,7 +193,7 @@ def _retryable(exc: BaseException) -> bool:
 
 
 # Full jitter, 50 ms doubling to a 2 s cap, with no retry limit: a service outlasts a Redis
-# restart (a client's own Retry gives up after a few seconds). Stateless: one for every call.
+# restart (a client's own Retry is bounded: none on a redis:// client). Stateless: one for all calls.
 _RETRY = Retry(FullJitterBackoff(cap=2.0, base=0.05), retries=-1, supported_errors=(ResponseError, *TRANSIENT))
 
 
@@ -232,8 +232,8 @@ async def retrying(op: Callable[[], Awaitable[T]], *, log: Any = None, what: str
 class Recorder:
     """Records pipeline commands so they can be replayed on a fresh pipeline after a
     connection error. Kept over redis-py's own pipeline replay: that one is bounded by the
-    client's retry count and clears the stack when execute() finally fails, where ours
-    outlasts a restart and runs ``on_retry`` between tries."""
+    connection's retry count (0 on a redis:// client) and clears the stack when execute()
+    fails, where ours outlasts a restart and runs ``on_retry`` between tries."""
 
     __slots__ = ("ops",)
 
