@@ -18,19 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
-from urllib.parse import urlsplit
 
 import typer
 
 from services.admin import local_state
 from services.admin.supervisor import Supervisor, tail
 from shared import keys as K
+from shared.advertise import AddressUnknown, route_addr
 from shared.bus import RedisUnreachable, check_reachable, connect, redact_url
 
 # An engine that exits with 2 cannot do better on a restart: a setting it refuses, or
@@ -79,28 +78,12 @@ def ranks_text(ranks: list[int]) -> str:
     return ",".join(out)
 
 
-def redis_host(url: str) -> str | None:
-    """The first Redis host a URL names (cluster and sentinel URLs list several)."""
-    from shared.redis_url import SINGLE, parse
-
-    target = parse(url)
-    if target.kind == SINGLE:
-        return urlsplit(url).hostname
-    return target.nodes[0][0] if target.nodes else None
-
-
 def default_advertise_addr(url: str) -> str:
-    """The address this host reaches Redis from: the other hosts reach Redis too, so they
-    most likely reach this host there (no packet is sent: a UDP connect picks a route)."""
-    host = redis_host(url)
-    if not host:
-        raise BadOption("cannot tell this host's address from the Redis URL: pass --advertise-addr IP")
+    """The address this host reaches Redis from (shared/advertise.py)."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(host), 9))
-            return s.getsockname()[0]
-    except OSError as exc:
-        raise BadOption(f"cannot tell this host's address ({exc}): pass --advertise-addr IP") from None
+        return route_addr(url)
+    except AddressUnknown as exc:
+        raise BadOption(f"{exc}: pass --advertise-addr IP") from None
 
 
 def interface_of(addr: str) -> str | None:
