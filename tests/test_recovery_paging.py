@@ -14,6 +14,7 @@ import pytest
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from services.engine_worker.inbox_reader import InboxReader
 from services.engine_worker.worker import EngineWorker
 from services.scheduler.housekeeping import recover_orphans
 from shared import keys as K
@@ -101,19 +102,19 @@ async def test_engine_rereads_all_its_pending_entries_after_a_lost_reply(redis_u
     r = connect(redis_url)
     keys = K.Keys(namespace)
     w = EngineWorker(EngineSettings(redis_url=redis_url, namespace=namespace, rank=0, ranks=1))
-    w.r, w.rank, w.consumer = r, 0, "rank0-me"
+    reader = InboxReader(r, keys, w.state, "rank0-me", w.log)
     inbox = keys.inbox(0)
     try:
         await ensure_group(r, inbox, K.ENGINE_GROUP, "0")
         for i in range(7):
             await r.xadd(inbox, {FIELD: _doc(i)})
         # The server delivered all 7 to us, but the reply was lost.
-        await r.xreadgroup(K.ENGINE_GROUP, w.consumer, {inbox: ">"}, count=100)
-        await w._on_redis_retry()
+        await r.xreadgroup(K.ENGINE_GROUP, reader.consumer, {inbox: ">"}, count=100)
+        await reader.on_redis_retry()
         for _ in range(8):                       # pages of 2 (count = room), then one empty page
-            resp = await r.xreadgroup(K.ENGINE_GROUP, w.consumer, {inbox: w._read_from()}, count=2)
-            w._take_fetched(resp)
-        assert sorted(doc["id"] for _, doc in w.fetched) == sorted(f"q{i}" for i in range(7))
-        assert w._read_from() == ">"             # done: back to new entries
+            resp = await r.xreadgroup(K.ENGINE_GROUP, reader.consumer, {inbox: reader.read_from()}, count=2)
+            reader.take(resp)
+        assert sorted(doc["id"] for _, doc in reader.fetched) == sorted(f"q{i}" for i in range(7))
+        assert reader.read_from() == ">"             # done: back to new entries
     finally:
         await r.aclose()

@@ -136,18 +136,18 @@ def test_worker_hands_the_runner_each_sequences_extras():
     from types import SimpleNamespace
 
     from services.engine_worker.sequence import Sequence
-    from services.engine_worker.worker import EngineWorker
+    from services.engine_worker.forward import sampling_extras
 
     seqs = {"a": Sequence("a", [1, 2], SamplingParams(presence_penalty=1.0), generated=[3]),
             "b": Sequence("b", [1], SamplingParams()),
             "c": Sequence("c", [1], SamplingParams(top_k=2))}
-    fake = SimpleNamespace(core=SimpleNamespace(get=seqs.get))
+    core = SimpleNamespace(get=seqs.get)
     chunks = [ChunkInput(s, [1], 0, [0], True) for s in ("a", "b", "c")] + [ChunkInput("d", [1], 0, [0], False)]
-    got = EngineWorker._sampling_extras(fake, chunks)
+    got = sampling_extras(core, chunks)
     assert set(got) == {"a", "c"}
     assert (got["a"].presence_penalty, got["a"].prompt, got["a"].output) == (1.0, [1, 2], [3])
     assert got["c"].top_k == 2 and got["c"].output == []
-    assert EngineWorker._sampling_extras(fake, chunks[1:2]) is None
+    assert sampling_extras(core, chunks[1:2]) is None
 
 
 @pytest.mark.slow

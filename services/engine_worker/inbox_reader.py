@@ -1,0 +1,87 @@
+"""Reading this rank's inbox (``<ns>:rank:<r>:inbox``, group ``engine``) on the step
+loop's round trips: new entries, or after a possibly lost reply this consumer's own pending
+ones again, page by page; entries a wake-up read admitted before they were claimed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.engine_worker.rank_state import RankState
+from shared import keys as K
+from shared.bus import Recorder, decode_entries, ensure_group, entry_id_key, execute_recorded
+
+
+class InboxReader:
+    """Writes ``state.acks`` (entries to ack without admitting them) and ``state.round_trips``."""
+
+    def __init__(self, r: Any, keys: K.Keys, state: RankState, consumer: str, log: Any) -> None:
+        self.r, self.keys, self.state, self.consumer, self.log = r, keys, state, consumer, log
+        self.inbox_last: bytes = b"0-0"     # last inbox entry delivered to this rank
+        self.fetched: list[tuple[bytes, dict[str, Any]]] = []   # read, not yet admitted (ingest.py)
+        # Inbox entries taken straight from the wake-up read, before this consumer claimed
+        # them (entry id -> request id, None for an abort): the claim rides on the next
+        # step's read, which must neither admit them twice nor leave a finished one pending.
+        self.prefetched: dict[bytes, str | None] = {}
+        self._reread_from: str | bytes | None = None   # after a Redis error: re-read our pending entries from here
+        self._history_read = False                # the read in flight is such a re-read (paged until empty)
+
+    async def execute(self, pipe: Recorder) -> list[Any]:
+        """One round trip; through a Redis outage it backs off and replays (the work on
+        this rank stays in memory; readers dedupe, so a replayed write is harmless)."""
+        self.state.round_trips += 1
+        return await execute_recorded(self.r, pipe, log=self.log, what="step", on_retry=self.on_redis_retry)
+
+    async def on_redis_retry(self) -> None:
+        # A reply may have been lost after the server delivered inbox entries to us: read
+        # this consumer's pending entries once more (ingest ignores what it already has).
+        # A restarted server may have lost the consumer group: recreate it.
+        self._reread_from = "0"
+        await ensure_group(self.r, self.keys.inbox(self.state.rank), K.ENGINE_GROUP, "0")
+
+    def read_from(self) -> str | bytes:
+        """'>' (new entries), or after a possibly lost reply this consumer's own pending
+        entries, page by page from the last one read until a page comes back empty (each
+        read takes at most ``count``: one page could strand the rest in our pending list)."""
+        self._history_read = self._reread_from is not None
+        return ">" if self._reread_from is None else self._reread_from
+
+    def take(self, resp: Any) -> None:
+        """The reply of a read issued with ``read_from()``."""
+        if self._history_read:
+            self._history_read = False
+            raw = raw_entries(resp)
+            self._reread_from = raw[-1][0] if raw else None   # next page after it; None: done
+            # A pending entry deleted from the stream comes back without fields: ack it.
+            self.state.acks.extend(eid for eid, fields in raw if fields is None)
+        for _, eid, doc in decode_entries(resp):
+            if eid in self.prefetched:
+                # Admitted at wake-up; this read only made it ours. Already finished or an
+                # abort: ack it now that the ack counts.
+                rid = self.prefetched.pop(eid)
+                if rid is None or self.state.entry_of.get(rid) != eid:
+                    self.state.acks.append(eid)
+                continue
+            self.fetch(eid, doc)
+
+    def fetch(self, eid: bytes, doc: dict[str, Any]) -> None:
+        self.fetched.append((eid, doc))
+        if entry_id_key(eid) > entry_id_key(self.inbox_last):
+            self.inbox_last = eid
+
+    def take_all(self) -> list[tuple[bytes, dict[str, Any]]]:
+        """What was read and not yet admitted, now handed over."""
+        fetched, self.fetched = self.fetched, []
+        return fetched
+
+
+def raw_entries(resp: Any) -> list[tuple[bytes, Any]]:
+    """(id, fields) of an XREADGROUP reply for one stream (RESP2 list or RESP3 dict)."""
+    if not resp:
+        return []
+    items = resp.items() if isinstance(resp, dict) else resp
+    out: list[tuple[bytes, Any]] = []
+    for _, entries in items:
+        if entries and isinstance(entries[0], list) and not isinstance(entries[0][0], bytes):
+            entries = entries[0]
+        out.extend((eid, fields) for eid, fields in entries)
+    return out

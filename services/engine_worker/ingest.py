@@ -1,0 +1,60 @@
+"""Admitting what the inbox brought at a step boundary: requests into the engine core
+(a second copy of one already here is dropped), aborts of requests here; malformed
+entries acked and logged, never stopping the step loop."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from services.engine_worker.rank_state import RankState
+from services.engine_worker.sequence import Sequence
+from services.engine_worker.sim_backend import eos_from
+from shared.messages import Abort, MessageError, Request
+
+
+def ingest(state: RankState, fetched: list[tuple[bytes, dict[str, Any]]], log: Any) -> None:
+    """Writes the per-request tables, ``acks``, ``early`` (rejections) and ``aborted``."""
+    st = state
+    for eid, doc in fetched:
+        kind = doc.get("k")
+        if kind == "req":
+            try:
+                req = Request.from_dict(doc)
+            except MessageError as exc:   # malformed for good: drop it, keep stepping
+                st.acks.append(eid)
+                log.error("bad_inbox_entry", entry=eid.decode(), error=str(exc))
+                continue
+            if req.id in st.entry_of:          # already running here
+                if st.entry_of[req.id] != eid:  # a second dispatch of it: drop that copy
+                    st.acks.append(eid)
+                continue
+            if req.dispatcher:
+                st.recv.note(req.dispatcher, req.dispatch_seq, time.monotonic())
+            seq = Sequence.from_request(req, req.dispatcher or "", req.dispatch_seq)
+            st.entry_of[req.id] = eid
+            st.prompts[req.id] = req.prompt
+            st.eos_from[req.id] = eos_from(req.params)
+            st.lp.track(req.id, req.params, req.prompt)
+            st.guides.track(req.id, req.params)
+            log.debug("request_admitted", request_id=req.id, wave=st.wave, step=st.step,
+                      prompt_tokens=len(req.prompt), resumed_at=len(req.generated))
+            rejected = st.core.add(seq, time.time())
+            if rejected is not None:      # can never run here, or nothing left to generate
+                st.early.append(rejected)
+            else:
+                st.rs.arrived(seq, time.monotonic())
+        elif kind == "abort":
+            try:
+                ab = Abort.from_dict(doc)
+            except MessageError as exc:
+                st.acks.append(eid)
+                log.error("bad_inbox_entry", entry=eid.decode(), error=str(exc))
+                continue
+            seq = st.core.abort(ab.id)
+            st.acks.append(eid)
+            if seq is not None:
+                st.aborted.append(seq)
+        else:
+            st.acks.append(eid)
+            log.warning("inbox_entry_ignored", kind=kind)

@@ -1,0 +1,123 @@
+"""What a step sends: token deltas (one output-stream entry per api-server), the records of
+finished requests, the acks, and the step's stats (``<ns>:stats``, ``<ns>:step:<w>:<s>``,
+``<ns>:rank:<r>:info``), in ONE pipelined round trip that also reads the next inbox entries."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+from services.engine_worker.inbox_reader import InboxReader
+from services.engine_worker.lockstep import Action
+from services.engine_worker.rank_state import RankState
+from shared import keys as K
+from shared import trace
+from shared.bus import Recorder
+from shared.messages import FIELD, Delta, dumps, encode_deltas
+from shared.settings import EngineSettings
+from shared.stats import RankStats
+
+
+class Outputs:
+    """Empties ``state.early``, ``state.aborted`` and ``state.acks``; forgets finished requests."""
+
+    def __init__(self, keys: K.Keys, settings: EngineSettings, state: RankState, reader: InboxReader,
+                 member: Any, log: Any) -> None:
+        self.keys, self.s, self.state, self.reader, self.member, self.log = keys, settings, state, reader, member, log
+
+    async def publish(self, plan: Any, outputs: list[Any], action: Action, dur_ms: float) -> None:
+        """One pipelined round trip: deltas, request state, step stats, acks, next inbox read."""
+        st = self.state
+        now = time.time()
+        pipe = Recorder()
+        finished = self.write(pipe, outputs, now)
+        ran = action is Action.RUN
+        outstanding, pending = st.core.load()
+        stats = RankStats(
+            rank=st.rank, wave=st.wave, step=st.step, waiting=st.core.num_waiting,
+            running=st.core.num_running, scheduled=plan.num_tokens if ran else 0,
+            prefill=plan.prefill_tokens if ran else 0, decode=plan.decode_tokens if ran else 0,
+            kv_used=st.core.kv_used, kv_total=st.core.kv_total,
+            outstanding=outstanding, idle=action is Action.IDLE,
+            dur_ms=round(dur_ms, 3), t=now, finished=finished, held=plan.held, recv=st.recv.as_dict(time.monotonic()),
+            extra={"gate_full": st.gate.released_full, "gate_timeout": st.gate.released_timeout,
+                   "preemptions": st.core.num_preemptions, "reforms": self.member.reforms, "gen": self.member.gen,
+                   "round_trips": st.round_trips, "exchange_s": round(st.exchange_s, 6),
+                   "comm_s": round(getattr(st.backend, "comm_seconds", 0.0), 6)},
+            prefill_pending=pending)
+        if st.metrics is not None:
+            st.metrics.on_step(stats)
+        blob = dumps(stats.to_dict())
+        step_key = self.keys.step(st.wave, st.step)
+        pipe.hset(step_key, str(st.rank), blob)
+        pipe.expire(step_key, K.STEP_HASH_TTL_S)
+        pipe.xadd(self.keys.stats, {FIELD: blob}, maxlen=K.STATS_STREAM_MAXLEN, approximate=True)
+        pipe.hset(self.keys.rank_info(st.rank), mapping={"stats": blob, "idle_forwards": st.idle_forwards,
+                                                         "wave": st.wave, "step": st.step})
+        room = max(0, self.s.max_num_seqs * 2 - st.core.num_waiting, len(self.reader.prefetched))
+        if room:
+            pipe.xreadgroup(K.ENGINE_GROUP, self.reader.consumer,
+                            {self.keys.inbox(st.rank): self.reader.read_from()}, count=room)
+        if trace.ENABLED:
+            trace.mark(f"publish_sent:{st.rank}")
+        results = await self.reader.execute(pipe)
+        if room:
+            self.reader.take(results[-1])
+
+    async def flush(self, paused: bool = False) -> None:
+        """Before a pause: send what is pending (rejections, aborts, acks) without a step.
+        ``paused`` (rank 0): record which wave the next wake starts, so that the dispatch
+        that ends the pause wakes every rank at once (shared/wake.py)."""
+        st = self.state
+        if st.early or st.aborted or st.acks or paused:
+            pipe = Recorder()
+            self.write(pipe, [], time.time())
+            if paused:
+                pipe.set(self.keys.paused, st.wave)
+            await self.reader.execute(pipe)
+
+    def write(self, pipe: Any, outputs: list[Any], now: float) -> int:
+        """Queue deltas (one stream entry per api-server), request records and acks."""
+        st = self.state
+        by_api: dict[str, list[Delta]] = defaultdict(list)
+        acks = st.acks[:]
+        st.acks.clear()
+        if st.early:
+            outputs = [*st.early, *outputs]
+            st.early.clear()
+        finished = 0
+        lp = st.lp if st.lp.ids else None
+        for out in outputs:
+            seq = out.seq
+            delta = Delta(seq.id, out.pos, out.new_tokens, out.finish_reason,
+                          prompt_tokens=len(seq.prompt) if out.finish_reason else 0,   # read with finish only
+                          rank=st.rank, error=seq.error, epoch=seq.epoch)
+            if lp is not None:
+                lp.fill(delta)
+            by_api[seq.api].append(delta)
+            if out.finish_reason is not None:
+                finished += 1
+                acks.append(st.forget(seq.id))
+                self.log.debug("request_finished", request_id=seq.id, wave=st.wave, step=st.step,
+                               finish=out.finish_reason, tokens=len(seq.generated))
+                pipe.hset(self.keys.req(seq.id), mapping={
+                    "state": "finished", "finish": out.finish_reason, "rank": st.rank,
+                    "tokens": len(seq.generated), "t_finished": now})
+                pipe.expire(self.keys.req(seq.id), self.s.request_record_ttl_s)
+        aborted = st.aborted[:]
+        st.aborted.clear()
+        for seq in aborted:
+            by_api[seq.api].append(Delta(seq.id, len(seq.generated), [], "abort",
+                                         prompt_tokens=len(seq.prompt), rank=st.rank, epoch=seq.epoch))
+            acks.append(st.forget(seq.id))
+            pipe.hset(self.keys.req(seq.id), mapping={"state": "finished", "finish": "abort", "rank": st.rank,
+                                                       "tokens": len(seq.generated), "t_finished": now})
+            pipe.expire(self.keys.req(seq.id), self.s.request_record_ttl_s)
+        for api, deltas in by_api.items():
+            pipe.xadd(self.keys.out(api), {FIELD: encode_deltas(deltas)}, maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
+            pipe.expire(self.keys.out(api), K.OUT_STREAM_TTL_S)   # gone an hour after its replica
+        acks = [a for a in acks if a]
+        if acks:
+            pipe.xack(self.keys.inbox(st.rank), K.ENGINE_GROUP, *acks)
+        return finished
