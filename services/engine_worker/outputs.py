@@ -14,7 +14,7 @@ from services.engine_worker.rank_state import RankState
 from shared import keys as K
 from shared import trace
 from shared.bus import Recorder
-from shared.messages import FIELD, Delta, dumps, encode_deltas
+from shared.messages import FIELD, Delta, encode, encode_deltas
 from shared.settings import EngineSettings
 from shared.stats import RankStats
 
@@ -48,7 +48,7 @@ class Outputs:
             prefill_pending=pending)
         if st.metrics is not None:
             st.metrics.on_step(stats)
-        blob = dumps(stats.to_dict())
+        blob = encode(stats)
         step_key = self.keys.step(st.wave, st.step)
         pipe.hset(step_key, str(st.rank), blob)
         pipe.expire(step_key, K.STEP_HASH_TTL_S)

@@ -10,7 +10,7 @@ from typing import Any
 
 from services.scheduler.state import SchedulerState
 from shared import keys as K
-from shared.messages import FIELD, Abort, Delta, Request, dumps, encode_deltas
+from shared.messages import FIELD, Abort, Delta, Request, dumps, encode, encode_deltas
 from shared.policy.base import Assignment
 from shared.settings import SchedulerSettings
 from shared.wake import wake_if_paused
@@ -42,7 +42,7 @@ class InboxWriter:
         self._dispatching = True
         if self.metrics is not None:
             self.metrics.on_dispatch(a, req, now)
-        pipe.xadd(self.keys.inbox(a.rank), {FIELD: dumps(req.to_dict())})
+        pipe.xadd(self.keys.inbox(a.rank), {FIELD: encode(req)})
         rec = {"state": "dispatched", "rank": a.rank, "api": req.api, "t_arrival": req.arrival,
                "t_dispatched": now, "prompt_tokens": req.prompt_tokens, "max_tokens": req.params.max_tokens,
                "reason": a.reason}
@@ -84,7 +84,7 @@ class InboxWriter:
         if rank is None:
             return   # unknown: finished long ago, or never placed
         ab.rank = rank
-        pipe.xadd(self.keys.inbox(rank), {FIELD: dumps(ab.to_dict())})
+        pipe.xadd(self.keys.inbox(rank), {FIELD: encode(ab)})
         st.counters["aborts_routed"] += 1
 
     def record_batches(self, pipe: Any, released: list[Assignment]) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 from services.scheduler.state import SchedulerState
 from shared import keys as K
 from shared.bus import decode_entries
-from shared.messages import FIELD, dumps
+from shared.messages import FIELD, encode
 from shared.stats import RankStats, Snapshot
 
 
@@ -49,10 +49,10 @@ class StepPublisher:
         pipe = self.r.pipeline(transaction=False)
         for snap in snaps:
             st.policy.on_snapshot(snap)
-            blob = dumps(snap.to_dict())
+            blob = encode(snap)
             pipe.xadd(self.keys.steps, {FIELD: blob}, maxlen=K.STATS_STREAM_MAXLEN, approximate=True)
         newest = snaps[-1]
-        blob = dumps(newest.to_dict())
+        blob = encode(newest)
         pipe.hset(self.keys.snapshot, mapping={"json": blob, "seq": newest.seq, "wave": newest.wave,
                                                "step": newest.step, "t": newest.t})
         pipe.publish(self.keys.snapshot, blob)
