@@ -237,6 +237,20 @@ class Resume(Struct, tag="resume", tag_field="k"):
     ids: list[str]
 
 
+class WaveNotice(Struct, omit_defaults=True):
+    """``{ls}:wave`` entry: wake for wave ``w`` (``r`` = -1: from a dispatcher, written by
+    the wake script of shared/wake.py in this same shape), or re-form the engine group at
+    generation ``reform`` (from the replacement rank ``r``)."""
+
+    w: int
+    r: int
+    reform: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "WaveNotice":
+        return convert(d, cls)
+
+
 def encode_deltas(deltas: list[Delta]) -> bytes:
     """One output-stream entry holds all deltas of one step for one api-server. Written
     as given: the engine sets ``prompt_tokens`` on final deltas only."""

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.bus import decode_entries
-from shared.messages import (FIELD, Abort, Delta, MessageError, Outputs, Request, Resume, SamplingParams, decode,
-                             dumps, encode, encode_deltas, loads, output_entry, request_owner)
+from shared.messages import (FIELD, Abort, Delta, MessageError, Outputs, Request, Resume, SamplingParams, WaveNotice,
+                             decode, dumps, encode, encode_deltas, loads, output_entry, request_owner)
 from shared.stats import RankStats, Snapshot
 
 
@@ -43,6 +43,7 @@ def test_every_kind_round_trips_through_its_wire_form():
         Delta("r1", 3, [1, 2]), Delta("r1", 3, [], "stop", 12, 1, None, 2, [[-0.5, [[1, -0.5]]]], [[-1.0, []]], 2),
         Outputs([Delta("a", 0, [1]), Delta("b", 4, [2], "length", 3, 0)]),
         Resume(["r1", "r2"]),
+        WaveNotice(3, 1), WaveNotice(-1, 2, 5),
         RankStats(3, 2, 1, waiting=1, recv={"api-x": 2}, extra={"comm_s": 0.5}),
         snap,
     ]
@@ -92,6 +93,10 @@ def test_short_keys_and_defaults_left_out():
         "k": "out", "ds": [{"id": "r", "o": 4, "t": [7], "r": 0},
                            {"id": "s", "o": 1, "t": [], "f": "stop", "pt": 9, "r": 0, "ep": 1}]}
     assert _wire(Resume(["a"])) == {"k": "resume", "ids": ["a"]}
+    assert _wire(WaveNotice(4, 0)) == {"w": 4, "r": 0}
+    assert _wire(WaveNotice(-1, 2, 0)) == {"w": -1, "r": 2, "reform": 0}
+    # the shape shared/wake.py's script writes
+    assert WaveNotice.from_dict(loads(b'{"w":' + b"7" + b',"r":-1}')) == WaveNotice(7, -1)
 
 
 def test_stats_rows_keep_full_names_and_every_field():
@@ -146,6 +151,7 @@ BAD = [
     (Delta, {"id": "r", "o": "0", "t": []}, "`$.o`"),
     (RankStats, {"rank": 0, "wave": 0, "step": "x"}, "`$.step`"),
     (Snapshot, {"wave": 0, "step": 0, "t": 0.0, "ranks": {"0": {"rank": "zero"}}}, "$.ranks"),
+    (WaveNotice, {"w": 1, "r": 0, "reform": "x"}, "`$.reform`"),
 ]
 
 
@@ -196,7 +202,7 @@ def test_message_shapes_doc_names_every_wire_key():
         cells = line.split(" | ")
         if line.startswith("| ") and len(cells) == 4:
             rows[cells[1].strip("` ").split("`")[0]] = (cells[0][2:], cells[3])
-    for cls in (Request, SamplingParams, Abort, Outputs, Delta, Resume, RankStats, Snapshot):
+    for cls in (Request, SamplingParams, Abort, Outputs, Delta, Resume, WaveNotice, RankStats, Snapshot):
         assert cls.__name__ in rows, f"no row for {cls.__name__}"
         kind, keys = rows[cls.__name__]
         info = msgspec.inspect.type_info(cls)

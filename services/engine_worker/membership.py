@@ -27,7 +27,7 @@ from shared import keys as K
 from shared import lease
 from shared.bus import connect_sync, ensure_group
 from shared.replies import str_keys
-from shared.messages import FIELD, dumps
+from shared.messages import FIELD, WaveNotice, encode
 from shared.redis_server import free_port
 
 
@@ -281,7 +281,7 @@ class GroupMembership:
             if self.rank != 0:
                 self.gen = formed
             # Tagged with the generation it replaces: ranks already past it ignore the notice.
-            await self.r.xadd(self.keys.wave, {FIELD: dumps({"w": -1, "r": self.rank, "reform": formed})},
+            await self.r.xadd(self.keys.wave, {FIELD: encode(WaveNotice(-1, self.rank, formed))},
                               maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
             self.log.warning("engine_replacing_rank", gen=self.gen)
 

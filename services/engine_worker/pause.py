@@ -12,7 +12,7 @@ from services.engine_worker.rank_state import RankState
 from shared import keys as K
 from shared import trace
 from shared.bus import Recorder, decode_entries, retrying
-from shared.messages import FIELD, dumps, request_owner
+from shared.messages import FIELD, MessageError, WaveNotice, encode, request_owner
 from shared.settings import EngineSettings
 
 
@@ -48,9 +48,14 @@ class Pause:
             for stream, eid, doc in decode_entries(resp):
                 if stream.decode() == self.keys.wave:
                     self.wave_last = eid
-                    if doc.get("reform") and doc.get("r") != st.rank and int(doc["reform"]) >= self.member.gen:
+                    try:
+                        notice = WaveNotice.from_dict(doc)
+                    except MessageError as exc:   # skipped: a bad notice must not stop a paused rank
+                        self.log.error("bad_wave_notice", entry=eid.decode(), error=str(exc))
+                        continue
+                    if notice.reform and notice.r != st.rank and notice.reform >= self.member.gen:
                         st.reform_requested = True
-                    elif int(doc.get("w", -1)) >= st.wave:
+                    elif notice.w >= st.wave:
                         notified = True
                 else:
                     arrived.append((eid, doc))
@@ -73,7 +78,7 @@ class Pause:
     def wake_notice(self) -> Recorder:
         st = self.state
         pipe = Recorder()
-        pipe.xadd(self.keys.wave, {FIELD: dumps({"w": st.wave, "r": st.rank})},
+        pipe.xadd(self.keys.wave, {FIELD: encode(WaveNotice(st.wave, st.rank))},
                   maxlen=K.WAVE_STREAM_MAXLEN, approximate=True)
         pipe.delete(self.keys.paused)   # woken: a later dispatch must not send a notice too
         return pipe
