@@ -1,7 +1,7 @@
 """Malformed bus entries against a live cluster: every service logs them and carries on.
 
-Garbage goes where each service reads (the request stream, every rank inbox, the
-api-server's output stream); then a real request through the
+Garbage goes where each service reads (the wake stream, the request stream, every rank
+inbox, the api-server's output stream); then a real request through the
 openai client must complete exactly, with no process restarted."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_malformed_entries_are_logged_and_nothing_stops(tmp_path):
             return "".join(p.read_text(errors="replace") for p in logs.glob("*.log"))
 
         deadline = time.monotonic() + 30
-        want = ("bad_inbox_entry", "bad_output_entry", "bad_request_entry")
+        want = ("bad_inbox_entry", "bad_output_entry", "bad_request_entry", "bad_wave_notice")
         while not all(w in logged() for w in want) and time.monotonic() < deadline:
             time.sleep(0.2)
         text = logged()
@@ -63,6 +63,8 @@ async def _inject(redis_url: str, keys: K.Keys) -> None:
     try:
         apis = await wait_until(lambda: _api_ids(r, keys), timeout=30)
         api = apis[0]
+        # the wake stream paused ranks read
+        await r.xadd(keys.wave, {FIELD: b'{"w": 1, "r": 9, "reform": "x"}'})
         # the scheduler's request stream
         for raw in (b"[1, 2]", b"{oops", _bad_request(api, "q1", sp={"mt": "many"}), b'{"k": "zz"}'):
             await r.xadd(keys.requests, {FIELD: raw})
