@@ -160,7 +160,7 @@ class Request(Struct, tag="req", tag_field="k", omit_defaults=True, dict=True):
         if hexed is None:
             try:
                 hexed = bytes(self.prompt).hex()
-            except ValueError:   # an id above 255 (a real tokenizer's): a JSON list
+            except (ValueError, TypeError):   # an id above 255 (a real tokenizer's): a JSON list
                 hexed = ""
             self.prompt_wire = hexed
         params = self.params._wire()
