@@ -66,8 +66,9 @@ class Keys:
         return f"{self.ns}:req:{request_id}"
 
     # --- step statistics and the load view ----------------------------------------
-    def step(self, wave: int, step: int) -> str:
-        """Hash: rank -> stats of one (wave, step), short TTL."""
+    def step_reports(self, wave: int, step: int) -> str:
+        """Hash: rank -> its report of one (wave, step), short TTL: the raw reports by step,
+        for operators (no service reads it). Finalized steps are ``steps``."""
         return f"{self.ns}:step:{wave}:{step}"
 
     @property
@@ -166,7 +167,7 @@ class Keys:
         """Every key shape, with placeholders, for docs and ``lockstep`` inspection."""
         return [
             self.requests, self.inbox("{r}"), self.out("{api}"), self.req("{id}"),  # type: ignore[arg-type]
-            self.step("{wave}", "{step}"), self.stats, self.snapshot, self.steps,  # type: ignore[arg-type]
+            self.step_reports("{wave}", "{step}"), self.stats, self.snapshot, self.steps,  # type: ignore[arg-type]
             self.batch("{id}"), self.rank_alive("{r}"), self.rank_info("{r}"),  # type: ignore[arg-type]
             self.spare("{token}"), self.vacancies, self.dist, self.wave, self.paused, self.leader, self.incarnation, self.scheduler, self.api_alive("{api}"),
             self.cluster, self.drained, self.dataset,

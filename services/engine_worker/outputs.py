@@ -49,7 +49,7 @@ class Outputs:
         if st.metrics is not None:
             st.metrics.on_step(stats)
         blob = encode(stats)
-        step_key = self.keys.step(st.wave, st.step)
+        step_key = self.keys.step_reports(st.wave, st.step)
         pipe.hset(step_key, str(st.rank), blob)
         pipe.expire(step_key, K.STEP_HASH_TTL_S)
         pipe.xadd(self.keys.stats, {FIELD: blob}, maxlen=K.STATS_STREAM_MAXLEN, approximate=True)
