@@ -51,7 +51,7 @@ def test_namespace_cannot_move_the_hash_tag():
 def test_every_transaction_goes_through_atomic():
     """Redis Cluster refuses a MULTI whose keys span slots; bus.atomic splits one safely.
     A plain transaction is allowed only where all its keys are one key (listed here)."""
-    single_key = {("services/admin/up.py", "k.vacancies")}
+    single_key = {("services/admin/supervisor.py", "k.vacancies")}
     found = []
     for path in [*ROOT.glob("services/**/*.py"), *ROOT.glob("shared/*.py")]:
         rel = path.relative_to(ROOT).as_posix()
