@@ -391,18 +391,6 @@ def test_random_workloads_match_fault_free_run(work, pool_tokens, block_size, bu
     assert s3.kv_used == 0 and s3.bm.num_free_blocks == num_blocks
 
 
-def test_take_waiting_for_migration():
-    s = sched(budget=8, max_seqs=1)
-    for i in range(4):
-        s.add(make(f"m{i}", 3, 2))
-    s.schedule()                                          # m0 admitted
-    taken = s.take_waiting(2, may_take=lambda q: q.id != "m3")
-    assert [q.id for q in taken] == ["m2", "m1"]
-    assert [q.id for q in s.waiting] == ["m3"] and "m1" not in s and len(s) == 2
-    assert all(not q.block_table for q in taken)
-
-
-
 def _seeded_workload(seed: int):
     """A uniformly random workload sized to keep a tiny pool under pressure: every request
     fits the rank alone, many together do not. Returns (scheduler factory, arrivals)."""

@@ -242,21 +242,6 @@ class EngineScheduler:
         self._finish(seq, "abort", now)
         return seq
 
-    def take_waiting(self, n: int, may_take: Callable[[Sequence], bool] | None = None) -> list[Sequence]:
-        """Remove up to ``n`` waiting sequences, newest first (migration to another rank).
-        They hold no blocks; their ``generated``/``streamed`` travel with them."""
-        taken: list[Sequence] = []
-        kept: list[Sequence] = []
-        while self.waiting and len(taken) < n:
-            s = self.waiting.pop()
-            if may_take is None or may_take(s):
-                del self._seqs[s.id]
-                taken.append(s)
-            else:
-                kept.append(s)
-        self.waiting.extend(reversed(kept))
-        return taken
-
     # -- one step ----------------------------------------------------------------------
 
     def schedule(self, may_prefill: Callable[[Sequence], bool] | None = None) -> StepPlan:
