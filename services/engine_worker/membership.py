@@ -60,13 +60,15 @@ class GroupMembership:
         self.progress_t: float | None = None    # monotonic time of the step loop's last round
 
     async def claim_rank(self) -> int:
-        """Take a rank slot with SET NX PX: the first free one, or the one asked for."""
+        """Take a rank slot with SET NX PX: the first free one, or the one asked for; it
+        becomes ``rank``."""
         ttl = self.s.heartbeat_ms * 3
         wanted = [self.rank] if self.rank >= 0 else list(range(self.s.ranks))
         deadline = time.monotonic() + max(10.0, ttl / 1000 * 2)
         while time.monotonic() < deadline:
             rank = await self._try_claim(wanted, ttl)
             if rank is not None:
+                self.rank = rank
                 return rank
             await asyncio.sleep(ttl / 1000 / 4)   # a dead rank's key lapses within ttl
         raise ClaimFailed(f"no free rank slot among {wanted} in namespace {self.s.namespace!r}; "
@@ -105,6 +107,7 @@ class GroupMembership:
                 rank = await self._try_claim(wanted, ttl) if ran == b"1" else None
                 if rank is not None:
                     self.log.warning("spare_took_rank", rank=rank)
+                    self.rank = rank
                     return rank
                 # A pop only says "try now": stale entries are harmless, the SET NX decides.
                 await self.r.blpop([self.keys.vacancies], timeout=self.s.heartbeat_ms / 1000)

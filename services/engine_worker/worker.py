@@ -86,14 +86,12 @@ class EngineWorker:
         loop.add_signal_handler(signal.SIGINT, self._on_stop_signal)
         if self.s.spare:
             self._preload_backend()
-            rank = await retrying(self.member.wait_as_spare, log=self.log, what="spare")
-            if rank is None:
+            if await retrying(self.member.wait_as_spare, log=self.log, what="spare") is None:
                 await self.r.aclose()
                 return 0
-            self.member.rank = rank
         else:
             try:
-                self.member.rank = await self.member.claim_rank()
+                await self.member.claim_rank()
             except ClaimFailed as exc:
                 self.log.error("rank_claim_failed", error=str(exc))
                 return 3
