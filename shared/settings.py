@@ -179,7 +179,7 @@ class EngineSettings(Settings):
     heartbeat_ms: int = Field(1000, description="Heartbeat period; the alive key lives 3x this.")
     collective_timeout_s: float = Field(5.0, description="A collective that takes longer means a rank died (keep it above the longest step).")
     reform_timeout_s: float = Field(60.0, description="A rank that cannot rejoin its engine group within this exits (code 4) to be replaced.")
-    group_host: str = Field("127.0.0.1", description="Address other ranks reach this one at (engine-group rendezvous).")
+    group_host: str = Field("127.0.0.1", description="Address other ranks reach this one at, and where its group sockets listen (engine-group rendezvous); 'auto': the address this host reaches Redis from (containers).")
     seed: int = Field(0, description="Weight seed of model 'random' (identical on every rank).")
     align_tokens: bool = Field(True, description="Coordinated prefill: every rank caps its prefill at one shared budget per step (docs/benchmarks.md); applied when every rank has it.")
     align_min_balance: float = Field(0.9, description="Coordinated prefill under a backlog: the largest budget that keeps a step at least this balanced (0 = the older water-level rule, docs/benchmarks.md).")

@@ -24,3 +24,17 @@ def test_cluster_and_sentinel_urls_name_their_first_node():
 def test_auto_without_a_host_says_so():
     with pytest.raises(AddressUnknown, match="cannot tell"):
         resolve("auto", "unix:///tmp/redis.sock")
+
+
+def test_an_engine_told_auto_without_a_routable_redis_stops_at_start():
+    """LOCKSTEP_GROUP_HOST=auto is resolved before the rank claims anything; when it cannot
+    be, the engine exits 2 (a setting to fix, not a crash to restart) and says what to set."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LOCKSTEP_REDIS_URL": "unix:///nonexistent/redis.sock", "LOCKSTEP_GROUP_HOST": "auto"}
+    r = subprocess.run([sys.executable, "-m", "services.admin.cli", "engine-worker"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "set LOCKSTEP_GROUP_HOST" in r.stderr

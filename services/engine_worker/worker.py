@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 import uuid
 from typing import Any
@@ -39,6 +40,7 @@ from services.engine_worker.step_budget import from_settings as budget_from_sett
 from services.engine_worker.step_view import F_STOP
 from shared import keys as K
 from shared import trace
+from shared.advertise import AddressUnknown, resolve
 from shared.bus import Recorder, open_service_connection, retrying
 from shared.cost_model import CostModel
 from shared.logging import configure
@@ -261,5 +263,11 @@ def main(settings: EngineSettings) -> int:
         uvloop.install()
     except ImportError:
         pass
+    try:   # LOCKSTEP_GROUP_HOST=auto (containers): the address this host reaches Redis from
+        settings = settings.model_copy(update={"group_host": resolve(settings.group_host, settings.redis_url)})
+    except AddressUnknown as exc:
+        print(f"engine-worker: LOCKSTEP_GROUP_HOST=auto: {exc}; set LOCKSTEP_GROUP_HOST to the address "
+              "the other engine hosts reach this one at", file=sys.stderr)
+        return 2
     worker = EngineWorker(settings)
     return asyncio.run(worker.run())
