@@ -24,6 +24,8 @@ no dispatch latency, no idle forwards. ``efficiency = throughput / ideal through
 
 from __future__ import annotations
 
+import functools
+import gc
 import heapq
 import math
 import time
@@ -141,6 +143,23 @@ def _gate_timeout_s(spec: PolicySpec, cfg: SimConfig) -> float:
     return cfg.lockstep_gate_timeout_ms / 1000.0
 
 
+def _paced_collector(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` with the cyclic garbage collector paced at 100,000 allocations. A run
+    allocates a few short-lived objects per simulated token (reference counting frees
+    them); at the default pace (700) the collector keeps rescanning the trace's live
+    requests: 15 % of a 100,000-request x 32-rank run (77 -> 65 s)."""
+    @functools.wraps(fn)
+    def paced(*args: Any, **kw: Any) -> Any:
+        old = gc.get_threshold()
+        gc.set_threshold(max(old[0], 100_000), max(old[1], 50), max(old[2], 100))
+        try:
+            return fn(*args, **kw)
+        finally:
+            gc.set_threshold(*old)
+    return paced
+
+
+@_paced_collector
 def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
                progress: Callable[[int], None] | None = None) -> RunResult:
     """Simulate ``trace`` under one policy. Deterministic in (trace, spec, cfg)."""
@@ -367,6 +386,7 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
                      st, dur, sched, dec, time.perf_counter() - wall0, counters)
 
 
+@_paced_collector
 def run_ideal(trace: Trace, cfg: SimConfig) -> RunResult:
     """The same trace with perfectly balanced steps (see the module docstring)."""
     wall0 = time.perf_counter()
