@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Any
 
-import orjson
+from services.admin.raw_http import RawConnection
 from shared import trace
 
 
@@ -30,71 +30,45 @@ def _pct(xs: list[float], p: float) -> float:
 async def measure_ttft(url: str, samples: int, model: str = "lockstep-moe") -> list[float]:
     """Request written -> first SSE chunk carrying text, one request at a time over a kept-alive
     raw connection (a general-purpose client adds its own milliseconds on this path)."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    body = orjson.dumps({"model": model, "prompt": "ttft probe", "max_tokens": 2, "stream": True, "ignore_eos": True})
-    wire = (f"POST {parts.path}/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
-    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     out: list[float] = []
-    try:
+    async with RawConnection(url) as conn:
+        wire = conn.wire("/completions", {"model": model, "prompt": "ttft probe", "max_tokens": 2,
+                                          "stream": True, "ignore_eos": True})
         for i in range(samples + 5):
             if trace.ENABLED:
                 trace.mark("client_sent")
             t0 = time.perf_counter()
-            writer.write(wire)
+            conn.send(wire)
             first = None
-            while True:   # chunked transfer: size lines, data lines, blank lines
-                line = await reader.readline()
-                if first is None and line.startswith(b"data: {") and b'"text":""' not in line:
+            async for line in conn.events():
+                if first is None and b'"text":""' not in line:
                     first = time.perf_counter() - t0
                     if trace.ENABLED:
                         trace.mark("client_first")
-                if line.startswith(b"data: [DONE]"):
-                    await reader.readuntil(b"0\r\n\r\n")   # the terminating chunk
-                    break
             if i >= 5 and first is not None:   # the first few warm the code paths
                 out.append(first * 1000)
             await asyncio.sleep(0.01)
-    finally:
-        writer.close()
     return out
 
 
 async def measure_rps(url: str, requests: int, concurrency: int, model: str = "lockstep-moe") -> dict[str, Any]:
-    """Keep-alive HTTP/1.1 over raw asyncio streams: a general-purpose client (httpx) spends
-    more CPU per request than the server path being measured, on the same cores."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    body = orjson.dumps({"model": model, "prompt": "hi", "max_tokens": 1, "ignore_eos": True})
-    wire = (f"POST {parts.path}/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    """Short non-streaming requests over ``concurrency`` kept-alive raw connections."""
     lat: list[float] = []
     errors = 0
     left = requests
 
     async def worker() -> None:
         nonlocal errors, left
-        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
-        try:
+        async with RawConnection(url) as conn:
+            wire = conn.wire("/completions", {"model": model, "prompt": "hi", "max_tokens": 1, "ignore_eos": True})
             while left > 0:
                 left -= 1
                 t0 = time.perf_counter()
-                writer.write(wire)
-                head = await reader.readuntil(b"\r\n\r\n")
-                status = int(head[9:12])
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line[:15].lower() == b"content-length:":
-                        length = int(line[15:])
-                await reader.readexactly(length)
+                conn.send(wire)
+                status, _ = await conn.response()
                 if status != 200:
                     errors += 1
                 lat.append((time.perf_counter() - t0) * 1000)
-        finally:
-            writer.close()
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -104,7 +78,8 @@ async def measure_rps(url: str, requests: int, concurrency: int, model: str = "l
             "latency_p99_ms": round(_pct(lat, 99), 2)}
 
 
-async def calibrate(redis_url: str, samples: int = 200) -> dict[str, float]:
+async def calibrate(redis_url: str, samples: int = 200, block_ms: int = 2000,
+                    idle_s: float = 0.005) -> dict[str, float | None]:
     """What one hop costs on this host, for reading the figures above elsewhere: a Redis
     round trip (PING, back to back) and the wake-up of a reader blocked in XREAD by an
     XADD from another connection after an idle gap (what every hop of the path pays)."""
@@ -122,14 +97,14 @@ async def calibrate(redis_url: str, samples: int = 200) -> dict[str, float]:
         wakes = []
         last = "$"
         for _ in range(samples // 2):
-            read = asyncio.ensure_future(reader_conn.xread({key: last}, block=2000))
-            await asyncio.sleep(0.005)   # the reader is blocked and the host idles, as between requests
+            read = asyncio.ensure_future(reader_conn.xread({key: last}, block=block_ms))
+            await asyncio.sleep(idle_s)   # the reader is blocked and the host idles, as between requests
             t0 = time.perf_counter()
-            await r.xadd(key, {"t": "1"})
-            resp = await read
-            wakes.append((time.perf_counter() - t0) * 1e6)
-            last = resp[0][1][-1][0]
-        return {"redis_ping_us": round(statistics.median(pings), 1), "xadd_to_xread_wake_us": round(statistics.median(wakes), 1)}
+            last = await r.xadd(key, {"t": "1"})
+            if await read:   # empty: the block ran out before the add (a loaded host): no sample
+                wakes.append((time.perf_counter() - t0) * 1e6)
+        return {"redis_ping_us": round(statistics.median(pings), 1),
+                "xadd_to_xread_wake_us": round(statistics.median(wakes), 1) if wakes else None}
     finally:
         await r.delete(key)
         await r.aclose()

@@ -27,6 +27,7 @@ from typing import Any
 
 
 from services.admin.fault_inject import kill_rank_mid_decode_in_background
+from services.admin.raw_http import RawConnection
 from shared.redis_server import free_port
 
 
@@ -44,33 +45,23 @@ def _start(ranks: int, state: str, port: int, spares: int) -> tuple[subprocess.P
 
 
 async def _run(url: str, n: int, tokens: int) -> dict[str, Any]:
-    """Streams over raw HTTP/1.1 connections: a general-purpose client with 200 streams in
-    one process stalls on its own (seconds), which would be mistaken for the server's."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
+    """``n`` streams at once, each on its own raw connection (services/admin/raw_http.py)."""
 
     async def one(i: int) -> dict[str, Any]:
-        body = json.dumps({"model": "lockstep-moe", "prompt": f"recovery {i}", "max_tokens": tokens, "seed": i,
-                           "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}).encode()
-        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
-        t0 = time.monotonic()
-        writer.write(f"POST {parts.path}/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: "
-                     f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         times: list[float] = []
         count = 0
-        while True:
-            line = await reader.readline()
-            if not line or line.startswith(b"data: [DONE]"):
-                break
-            if not line.startswith(b"data: {"):
-                continue
-            doc = json.loads(line[6:])
-            if doc.get("usage"):
-                count = doc["usage"]["completion_tokens"]
-            if doc.get("choices") and doc["choices"][0].get("text"):
-                times.append(time.monotonic())
-        writer.close()
+        async with RawConnection(url) as conn:
+            wire = conn.wire("/completions", {"model": "lockstep-moe", "prompt": f"recovery {i}", "max_tokens": tokens,
+                                              "seed": i, "stream": True, "stream_options": {"include_usage": True},
+                                              "ignore_eos": True})
+            t0 = time.monotonic()
+            conn.send(wire)
+            async for line in conn.events():
+                doc = json.loads(line[6:])
+                if doc.get("usage"):
+                    count = doc["usage"]["completion_tokens"]
+                if doc.get("choices") and doc["choices"][0].get("text"):
+                    times.append(time.monotonic())
         gaps = [b - a for a, b in zip(times, times[1:])]
         return {"ttft": times[0] - t0 if times else None, "max_gap": max(gaps, default=0.0), "tokens": count,
                 "end": times[-1] if times else t0}
