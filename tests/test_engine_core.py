@@ -9,7 +9,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from services.engine_worker.block_manager import BlockManager
-from services.engine_worker.scheduler import EngineScheduler, StepPlan
+from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
 from services.engine_worker.sequence import Sequence, SeqStatus
 from shared.messages import Request, SamplingParams
 from shared.tokenizer import EOS, encode

@@ -112,7 +112,7 @@ def test_the_simulator_drives_the_engines_own_scheduler_and_gate():
     """No second implementation: every simulated rank is the live engine's RankStep."""
     from services.engine_worker.batch_gate import BatchGate as LiveGate
     from services.engine_worker.rank_step import RankStep
-    from services.engine_worker.scheduler import EngineScheduler
+    from services.engine_worker.engine_scheduler import EngineScheduler
     eng = EngineGroup(2, EngineConfig(), CostModel(), np.array([10]), np.array([2]), np.array([100]))
     assert all(type(r) is RankStep and type(r.core) is EngineScheduler and type(r.gate) is LiveGate
                for r in eng.ranks)

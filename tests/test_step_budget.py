@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.engine_worker.batch import ChunkInput
-from services.engine_worker.scheduler import StepPlan
+from services.engine_worker.engine_scheduler import StepPlan
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, must_tokens,
                                                 shared_budget, trim_plan)
 from services.simulator import runner

@@ -4,7 +4,7 @@ coordinated prefill budget, and undoing an admission the budget held back."""
 import pytest
 
 from services.engine_worker.block_manager import BlockManager
-from services.engine_worker.scheduler import EngineScheduler
+from services.engine_worker.engine_scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_budget import BudgetConfig, balanced_budget, trim_plan
 from shared.messages import SamplingParams

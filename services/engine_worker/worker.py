@@ -35,7 +35,7 @@ from services.engine_worker.outputs import Outputs
 from services.engine_worker.pause import Pause
 from services.engine_worker.rank_state import RankState
 from services.engine_worker.rank_step import RankStep
-from services.engine_worker.scheduler import EngineScheduler
+from services.engine_worker.engine_scheduler import EngineScheduler
 from services.engine_worker.step_budget import from_settings as budget_from_settings
 from services.engine_worker.step_view import F_STOP
 from shared import keys as K
