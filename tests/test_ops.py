@@ -363,3 +363,15 @@ def test_container_healthchecks_pass_on_a_live_cluster(cluster):
     res = subprocess.run([sys.executable, "-m", "services.admin.healthcheck", "engine"], capture_output=True,
                          text=True, timeout=30, env={**env, "LOCKSTEP_NAMESPACE": "nobody"}, cwd=ROOT)
     assert res.returncode == 1 and "no live rank slot" in res.stderr
+
+
+def test_api_server_output_streams_keep_their_ttl(cluster, client):
+    """Engines refresh an output stream's TTL once a second, not every step
+    (services/engine_worker/ttl_refresh.py): every stream still carries the hour."""
+    from shared.keys import OUT_STREAM_TTL_S
+    complete(client, 4)
+    async def stream_ttls(c):
+        return [await c.ttl(k) async for k in c.scan_iter(match=Keys(cluster.namespace).out("*"))]
+
+    ttls = redis_get(cluster, stream_ttls)
+    assert ttls and all(0 < t <= OUT_STREAM_TTL_S for t in ttls), ttls

@@ -11,6 +11,7 @@ from typing import Any
 from services.engine_worker.inbox_reader import InboxReader
 from services.engine_worker.lockstep import Action
 from services.engine_worker.rank_state import RankState
+from services.engine_worker.ttl_refresh import TtlRefresh
 from shared import keys as K
 from shared import trace
 from shared.bus import Recorder
@@ -25,6 +26,7 @@ class Outputs:
     def __init__(self, keys: K.Keys, settings: EngineSettings, state: RankState, reader: InboxReader,
                  member: Any, log: Any) -> None:
         self.keys, self.s, self.state, self.reader, self.member, self.log = keys, settings, state, reader, member, log
+        self.out_ttl = TtlRefresh()
 
     async def publish(self, plan: Any, outputs: list[Any], action: Action, dur_ms: float) -> None:
         """One pipelined round trip: deltas, request state, step stats, acks, next inbox read."""
@@ -114,9 +116,12 @@ class Outputs:
             pipe.hset(self.keys.req(seq.id), mapping={"state": "finished", "finish": "abort", "rank": st.rank,
                                                        "tokens": len(seq.generated), "t_finished": now})
             pipe.expire(self.keys.req(seq.id), self.s.request_record_ttl_s)
+        mono = time.monotonic()
         for api, deltas in by_api.items():
-            pipe.xadd(self.keys.out(api), {FIELD: encode_deltas(deltas)}, maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
-            pipe.expire(self.keys.out(api), K.OUT_STREAM_TTL_S)   # gone an hour after its replica
+            key = self.keys.out(api)
+            pipe.xadd(key, {FIELD: encode_deltas(deltas)}, maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
+            if self.out_ttl.due(key, mono):
+                pipe.expire(key, K.OUT_STREAM_TTL_S)   # gone an hour after its replica
         acks = [a for a in acks if a]
         if acks:
             pipe.xack(self.keys.inbox(st.rank), K.ENGINE_GROUP, *acks)
