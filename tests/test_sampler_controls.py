@@ -10,9 +10,9 @@ import torch
 
 from services.engine_worker.batch import ChunkInput
 from services.engine_worker.block_manager import BlockManager
+from services.engine_worker.engine_scheduler import EngineScheduler
 from services.engine_worker.model import MoEConfig, TorchModelRunner
 from services.engine_worker.model.sampler import RowExtra, logprobs, sample
-from services.engine_worker.engine_scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.sim_backend import SimBackend, eos_from, sim_logprobs
 from services.engine_worker.step_logprobs import StepLogprobs

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.engine_worker.batch_gate import BatchGate
+from services.engine_worker.engine_scheduler import EngineScheduler
 from services.engine_worker.guided import Guides
 from services.engine_worker.rank_step import RankStep
 from services.engine_worker.recv_marks import RecvMarks
-from services.engine_worker.engine_scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_logprobs import StepLogprobs
 

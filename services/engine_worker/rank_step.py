@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from services.engine_worker.batch_gate import BatchGate, batch_number
+from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
 from services.engine_worker.step_view import (F_ALIGN, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST, F_QUEUED,
                                              F_RELEASE, F_TOKENS, Action, StepView)
-from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, must_tokens,
                                                 shared_budget, trim_plan)

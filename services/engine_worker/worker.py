@@ -25,6 +25,7 @@ from typing import Any
 from services.engine_worker.api_watch import watch_api_servers
 from services.engine_worker.batch_gate import BatchGate
 from services.engine_worker.block_manager import BlockManager
+from services.engine_worker.engine_scheduler import EngineScheduler
 from services.engine_worker.forward import Forward
 from services.engine_worker.hand_over import HandOver
 from services.engine_worker.inbox_reader import InboxReader
@@ -35,7 +36,6 @@ from services.engine_worker.outputs import Outputs
 from services.engine_worker.pause import Pause
 from services.engine_worker.rank_state import RankState
 from services.engine_worker.rank_step import RankStep
-from services.engine_worker.engine_scheduler import EngineScheduler
 from services.engine_worker.step_budget import from_settings as budget_from_settings
 from services.engine_worker.step_view import F_STOP
 from shared import keys as K

@@ -29,9 +29,9 @@ from shared.stats import RankStats
 from shared.tokenizer import EOS
 from services.engine_worker.batch_gate import BatchGate
 from services.engine_worker.block_manager import BlockManager
+from services.engine_worker.engine_scheduler import EngineScheduler
 from services.engine_worker.step_view import Action, F_MAX_CTX, F_TOKENS
 from services.engine_worker.rank_step import RankStep, group_view
-from services.engine_worker.engine_scheduler import EngineScheduler
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_budget import BudgetConfig
 
