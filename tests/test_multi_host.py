@@ -171,7 +171,9 @@ def test_torch_ranks_on_two_hosts_serve_across_them(hosts):
         for j in (2, 3):
             assert (dials[j] & {x for x in listen[i] if x[0] == HOST_A}
                     or dials[i] & {x for x in listen[j] if x[0] == HOST_B}), (i, j, listen, dials)
-    assert "joined the engine group" in h.log("host-a") and f"Advertised {HOST_A}" in h.log("host-a")
+    assert f"Advertised {HOST_A}" in h.log("host-a")
+    # the command notices the join on its own probe (once a second): wait for its line
+    poll_until(lambda: "joined the engine group" in h.log("host-a"), 30, "host-a reports the join", 0.2)
 
 
 def test_a_host_killed_mid_stream_is_replaced_by_a_host_of_spares(hosts):
