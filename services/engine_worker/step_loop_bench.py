@@ -1,6 +1,6 @@
 """Benchmark of the live engine step loop: a whole `lockstep up` cluster under steady load.
 
-    python -m services.engine_worker.bench --ranks 2|4 [--backend torch|sim] [--json]
+    python -m services.engine_worker.step_loop_bench --ranks 2|4 [--backend torch|sim] [--json]
 
 Starts a private cluster (its own Redis, namespace and port, like scripts/bench-path),
 keeps ``--concurrency`` streaming requests in flight per rank (each pinned with
@@ -196,7 +196,8 @@ def summarize(stats: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m services.engine_worker.step_loop_bench",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2, choices=[1, 2, 4, 8])
     p.add_argument("--backend", default="torch", choices=["torch", "sim"])
     p.add_argument("--concurrency", type=int, default=32, help="streaming requests in flight per rank")

@@ -1,7 +1,7 @@
 """Decode-step benchmark of the expert-parallel model on gloo CPU ranks.
 
-    python -m services.engine_worker.model.bench --ranks 2 [--seqs 32] [--steps 40] [--json]
-    python -m services.engine_worker.model.bench --model DIR --ranks 2   # a loaded checkpoint
+    python -m services.engine_worker.model.decode_bench --ranks 2 [--seqs 32] [--steps 40] [--json]
+    python -m services.engine_worker.model.decode_bench --model DIR --ranks 2   # a loaded checkpoint
 
 Each rank prefills ``--seqs`` prompts, then runs greedy decode steps of one token per
 sequence. Before each timed step the ranks meet at a barrier (not timed), so a step's time
@@ -113,7 +113,8 @@ def _summarize(args: argparse.Namespace, per_rank: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m services.engine_worker.model.decode_bench",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2, choices=[1, 2, 4, 8])
     p.add_argument("--seqs", type=int, default=32, help="decode sequences per rank")
     p.add_argument("--prompt-len", type=int, default=64)
