@@ -94,7 +94,7 @@ class StreamChoice:
         self.sent = 0
         self.done = False
         self.started = False     # chat's role delta / completion's echo sent
-        self.held = [] if p.tool_call is not None else None   # tool calls: sent whole at the end
+        self.tool_text = [] if p.tool_call is not None else None   # a tool call is parsed and sent whole at the end
 
     def _entry(self, text: str | None, finish: str | None, lp: Any = None, role: bool = False) -> dict[str, Any]:
         if self.p.kind == "chat":
@@ -128,15 +128,15 @@ class StreamChoice:
             lp = None
             if self.want_lp:
                 lp = chat_logprobs(new, lps, p.logprobs, self.names) if p.kind == "chat" else self.cl.part(new, lps)
-            if self.held is not None:
-                self.held.append(text)
+            if self.tool_text is not None:
+                self.tool_text.append(text)
             elif text or lp is not None:
                 out.append(self._entry(text, None, lp=lp))
         if ch.finish is not None and self.sent >= len(ch.tokens) and ch.finish not in ("error", "abort"):
             tail = self.stopper.feed(self.dec.flush()) + self.stopper.finish()
             finish = "stop" if self.stopper.stopped else ch.finish
-            if self.held is not None:
-                entry, finish = tool_delta(p, "".join(self.held) + tail, finish, self.index)
+            if self.tool_text is not None:
+                entry, finish = tool_delta(p, "".join(self.tool_text) + tail, finish, self.index)
                 out.append(entry)
             elif tail:
                 out.append(self._entry(tail, None))
