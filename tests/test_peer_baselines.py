@@ -184,7 +184,7 @@ def test_adp_gate_holds_until_every_rank_has_ctx_then_timeout():
     assert g.allow(v) is False
     assert g.allow(v) is False
     assert g.allow(v) is True                       # 3rd iteration: timeout
-    assert g.counters()["held_steps"] == 2
+    assert g.counters()["vetoed_steps"] == 2
     assert g.allow(v) is False                      # counter restarted
 
 
@@ -203,10 +203,10 @@ def test_adp_gate_batching_wait():
 
 def test_adp_gate_counter_runs_without_ctx():
     g = AdpBalanceGate(timeout_iters=3, batching_wait_iters=0)
-    assert g.allow(_view([False, False], [1, 1])) is False  # nothing held, counter +1
+    assert g.allow(_view([False, False], [1, 1])) is False  # no prefill to veto, counter +1
     assert g.allow(_view([False, False], [1, 1])) is False  # +1
     assert g.allow(_view([True, False], [1, 1])) is True    # reaches 3 at once
-    assert g.counters()["held_steps"] == 0
+    assert g.counters()["vetoed_steps"] == 0
 
 
 def test_adp_gate_full_rank_blocks_all_free():
@@ -220,7 +220,7 @@ def test_prefill_delayer_veto_bound():
     v = _view([True, False, True], [1, 1, 1])
     verdicts = [d.allow(v) for _ in range(31)]
     assert verdicts[:29] == [False] * 29 and verdicts[29] is True and verdicts[30] is False
-    assert d.counters()["held_steps"] == 30          # 29, then a new streak starts
+    assert d.counters()["vetoed_steps"] == 30          # 29, then a new streak starts
     assert d.counters()["released_timeout"] == 1
 
 

@@ -2,7 +2,8 @@
 (our own code; facts and file names in each docstring).
 
 * :class:`GroupGate` — a group-wide prefill gate whose verdict every rank reaches from the
-  same all-gathered numbers (so it acts as one decision per step):
+  same all-gathered numbers (so it acts as one decision per step; ``vetoed_steps`` counts the
+  steps it said no while some rank had a new prefill to start):
   :class:`AdpBalanceGate` (TensorRT-LLM ADP Balance) and :class:`PrefillDelayer` (SGLang).
 * Late binding — :class:`TrtllmAdpRouter` keeps TensorRT-LLM's global request queue and binds
   requests to ranks only at a step boundary, when the group has room (``bind``).
@@ -57,8 +58,8 @@ class AdpBalanceGate:
     * ``all_gen``   — every rank has a generation request.
 
     If ``all_free and all_ctx``: the waiting counter resets; when also ``all_gen`` the context
-    requests are held for ``batching_wait_iters`` iterations (counter, then released and reset).
-    Otherwise the waiting counter is incremented and context requests are held, unless the
+    requests wait ``batching_wait_iters`` iterations (counter, then released and reset).
+    Otherwise the waiting counter is incremented and context requests wait, unless the
     counter reached ``timeout_iters`` or some rank has no generation request (then released
     and the counter reset). The code increments the waiting counter on EVERY such iteration,
     also when no rank has context work, so a counter already part-way can shorten the next
@@ -74,7 +75,7 @@ class AdpBalanceGate:
         self.batching_wait_iters = batching_wait_iters
         self._waiting = 0
         self._batching = 0
-        self.held_steps = 0
+        self.vetoed_steps = 0
         self.released_timeout = 0
         self.released_batched = 0
 
@@ -88,7 +89,7 @@ class AdpBalanceGate:
             if all_gen:
                 if self._batching < self.batching_wait_iters:
                     self._batching += 1
-                    self.held_steps += 1
+                    self.vetoed_steps += 1
                     return False
                 self._batching = 0
                 self.released_batched += 1
@@ -100,11 +101,11 @@ class AdpBalanceGate:
             self._waiting = 0
             return True
         if any_ctx:
-            self.held_steps += 1
+            self.vetoed_steps += 1
         return False
 
     def counters(self) -> dict[str, int]:
-        return {"held_steps": self.held_steps, "released_timeout": self.released_timeout,
+        return {"vetoed_steps": self.vetoed_steps, "released_timeout": self.released_timeout,
                 "released_batched": self.released_batched}
 
 
@@ -240,7 +241,7 @@ class PrefillDelayer:
         self.token_usage_watermark = token_usage_watermark
         self._delayed: int | None = None     # None: no wait in progress
         self._start = 0.0
-        self.held_steps = 0
+        self.vetoed_steps = 0
         self.released_timeout = 0
         self.released_watermark = 0
         self.released_all = 0
@@ -263,12 +264,12 @@ class PrefillDelayer:
         timed_out = self.max_delay_ms is not None and (v.now - self._start) * 1000.0 >= self.max_delay_ms
         if count < self.max_delay_passes - 1 and not timed_out:
             self._delayed = count + 1
-            self.held_steps += 1
+            self.vetoed_steps += 1
             return False
         self._delayed = None
         self.released_timeout += 1
         return True
 
     def counters(self) -> dict[str, int]:
-        return {"held_steps": self.held_steps, "released_timeout": self.released_timeout,
+        return {"vetoed_steps": self.vetoed_steps, "released_timeout": self.released_timeout,
                 "released_watermark": self.released_watermark, "released_all": self.released_all}
