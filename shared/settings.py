@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 T = TypeVar("T", bound="Settings")
@@ -25,6 +25,20 @@ class _MappingEnv(EnvSettingsSource):
 
     def _load_env_vars(self) -> Mapping[str, str | None]:
         return {k.lower(): v for k, v in self._mapping.items() if k.upper().startswith(ENV_PREFIX)}
+
+
+def _formerly(name: str, *old: str) -> AliasChoices:
+    """A renamed setting, still read under its old names (arguments and LOCKSTEP_*
+    variables; pydantic-settings puts no env prefix on an alias, so each is listed with it)."""
+    names = (name, *old)
+    return AliasChoices(*names, *(ENV_PREFIX.lower() + n for n in names))
+
+
+def names_of(cls: type[BaseModel], field: str) -> list[str]:
+    """The names a setting is read under: its own, then the old ones it still accepts."""
+    alias = cls.model_fields[field].validation_alias
+    old = alias.choices if isinstance(alias, AliasChoices) else ()
+    return [field, *(c for c in old if isinstance(c, str) and c != field and not c.startswith(ENV_PREFIX.lower()))]
 
 
 # What a value of each kind may be, added to pydantic's message.
@@ -183,10 +197,10 @@ class EngineSettings(Settings):
     seed: int = Field(0, description="Weight seed of model 'random' (identical on every rank).")
     align_tokens: bool = Field(True, description="Coordinated prefill: every rank caps its prefill at one shared budget per step (docs/benchmarks.md); applied when every rank has it.")
     align_min_balance: float = Field(0.9, description="Coordinated prefill under a backlog: the largest budget that keeps a step at least this balanced (0 = the older water-level rule, docs/benchmarks.md).")
-    align_max_hold_steps: int = Field(32, description="Coordinated prefill: a rank whose prefill was held back this many steps in a row runs it (no starvation).")
+    align_max_capped_steps: int = Field(32, validation_alias=_formerly("align_max_capped_steps", "align_max_hold_steps"), description="Coordinated prefill: a rank whose prefill the shared budget capped this many steps in a row runs it in full (no starvation). Its old name align_max_hold_steps (LOCKSTEP_ALIGN_MAX_HOLD_STEPS) is still read.")
     align_max_delay_ms: float = Field(3000.0, description="Coordinated prefill: the longest a prefill waits for a balanced step, scaled by the prefill pending on the other ranks (in units of align_backlog_steps full steps, capped at 1).")
     align_min_delay_ms: float = Field(200.0, description="Coordinated prefill: a prefill may wait this long for others to share its step even with nothing pending elsewhere (0 = start at once; docs/benchmarks.md).")
-    align_backlog_steps: float = Field(0.5, description="Coordinated prefill: the group is backlogged when its pending prefill fills this many full steps; then only balance and the hold bound start prefills (docs/benchmarks.md).")
+    align_backlog_steps: float = Field(0.5, description="Coordinated prefill: the group is backlogged when its pending prefill fills this many full steps; then only balance and align_max_capped_steps start prefills (docs/benchmarks.md).")
     gate_timeout_ms: float = Field(100.0, description="Staggered batches: rank 0 releases a batch whose shares did not all arrive within this.")
     metrics_port: int = Field(0, description="Serve Prometheus metrics (lockstep_engine_*) on this port (a spare: this port + the rank it takes); 0 = off.")
 

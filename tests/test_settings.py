@@ -76,3 +76,20 @@ def test_service_with_a_bad_variable_stops_at_start_with_the_message():
     assert p.returncode == 2, p.stdout + p.stderr
     assert "LOCKSTEP_RANKS='abc'" in p.stderr and "whole number" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_renamed_setting_is_still_read_under_its_old_name(monkeypatch):
+    # align_max_hold_steps became align_max_capped_steps (issue #17: "held" names the batch
+    # gate only); a deployment that sets the old variable or flag keeps its value.
+    from services.admin.cli import _settings
+    from services.admin.config_cmd import effective_config
+
+    assert EngineSettings.from_env({"LOCKSTEP_ALIGN_MAX_HOLD_STEPS": "8"}).align_max_capped_steps == 8
+    assert EngineSettings.from_env({"LOCKSTEP_ALIGN_MAX_CAPPED_STEPS": "9",
+                                    "LOCKSTEP_ALIGN_MAX_HOLD_STEPS": "8"}).align_max_capped_steps == 9
+    assert EngineSettings(align_max_hold_steps=7).align_max_capped_steps == 7
+    assert "align_max_hold_steps" not in EngineSettings().to_dict()
+    monkeypatch.setenv("LOCKSTEP_REDIS_URL", "redis://127.0.0.1:1")
+    assert _settings(EngineSettings, ["align_max_hold_steps=5"]).align_max_capped_steps == 5
+    shown = effective_config({"LOCKSTEP_ALIGN_MAX_HOLD_STEPS": "6"}, {}, "ls", None)["engine-worker"]
+    assert shown["align_max_capped_steps"] == {"value": 6, "source": "env"}

@@ -140,7 +140,7 @@ def _step(ranks, now):
     return [p.num_tokens for p in plans]
 
 
-COORD = BudgetConfig(max_tokens=2048, min_balance=0.9, max_hold_steps=3, max_delay_ms=3000.0, step_ms=0.0)
+COORD = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=3, max_delay_ms=3000.0, step_ms=0.0)
 
 
 def test_coordinated_prefill_runs_at_once_when_no_other_rank_has_prefill_pending():
@@ -154,12 +154,12 @@ def test_coordinated_prefill_under_a_backlog_runs_balanced_steps():
     assert _step(ranks, 0.0) == [2048, 2048]          # both can fill the budget: full steps
 
 
-def test_a_held_prefill_runs_after_max_hold_steps():
-    # rank 1 has prefill pending elsewhere-blocked work so rank 0's big chunk is held...
+def test_a_capped_prefill_runs_after_max_capped_steps():
+    # rank 1 has prefill pending elsewhere-blocked work so rank 0's big chunk is capped...
     ranks = [_rank(0, [2048] * 3, COORD), _rank(1, [16] + [2048] * 3, COORD)]
     ranks[1].core.max_num_seqs = 1                    # rank 1 can only run its short one
     got = [_step(ranks, 0.01 * k) for k in range(6)]
-    # held while rank 1 can only add a few tokens, then forced after max_hold_steps
+    # capped while rank 1 can only add a few tokens, then forced after max_capped_steps
     assert got[0][0] < 2048
     assert any(g[0] == 2048 for g in got[1:5])
 
@@ -167,7 +167,7 @@ def test_a_held_prefill_runs_after_max_hold_steps():
 def test_min_delay_lets_a_lone_prefill_wait_for_company_but_not_past_its_deadline():
     # nothing pending elsewhere: with align_min_delay_ms the prefill is paced over that
     # window (so prefills arriving meanwhile on other ranks share its steps) and done by it
-    cfg = BudgetConfig(max_tokens=2048, min_balance=0.9, max_hold_steps=1000, max_delay_ms=3000.0,
+    cfg = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=1000, max_delay_ms=3000.0,
                        min_delay_ms=200.0, step_ms=10.0)
     ranks = [_rank(0, [1500], cfg), _rank(1, [], cfg)]
     first = _step(ranks, 0.0)

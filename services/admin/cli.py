@@ -141,7 +141,9 @@ def _settings(cls, sets: list[str]):  # type: ignore[no-untyped-def]
         overrides[key.strip().replace("-", "_")] = value
     env = dict(os.environ)
     env.update({"LOCKSTEP_" + k.upper(): v for k, v in overrides.items()})
-    known = {f.upper() for f in cls.model_fields}
+    from shared.settings import names_of
+
+    known = {n.upper() for f in cls.model_fields for n in names_of(cls, f)}   # old names of renamed settings too
     unknown = [k for k in overrides if k.upper() not in known]
     if unknown:
         _fail(f"unknown setting(s) {unknown}; see `lockstep config` or docs/configuration.md", 2)

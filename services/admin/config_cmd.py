@@ -31,7 +31,9 @@ def effective_config(env: dict[str, str], cluster: dict[str, str], namespace: st
         overrides: dict[str, Any] = {"namespace": namespace}
         if redis_url:
             overrides["redis_url"] = redis_url
-        source = {n: ("env" if S.ENV_PREFIX + n.upper() in env else "default") for n in names}
+        # a renamed setting may still come from its old variable
+        source = {n: ("env" if any(S.ENV_PREFIX + a.upper() in env for a in S.names_of(cls, n)) else "default")
+                  for n in names}
         source["namespace"] = "flag"
         if redis_url:
             source["redis_url"] = "cluster"

@@ -417,7 +417,7 @@ class EngineScheduler:
     def unadmit(self, seqs: list[Sequence]) -> None:
         """Undo this step's admission of ``seqs`` (their chunks were trimmed away): free
         their blocks and put them back at the front of the queue, in order, so a budget
-        that holds a prefill back never holds KV for it."""
+        that caps a prefill to nothing never holds KV for it."""
         for seq in reversed(seqs):
             if seq.status is not RUNNING or seq.num_computed_tokens:
                 continue

@@ -37,7 +37,7 @@ class RankStep:
         self.since_s: dict[str, float] = {}       # when each sequence reached this rank
         self.blocked_s = float("-inf")            # last plan that could admit nothing (no slot / KV)
         self.last_step_ms = 0.0                   # measured duration of the last step (deadline planning)
-        self.held_steps = 0                       # consecutive steps the budget held this rank's prefill back
+        self.capped_steps = 0                     # consecutive steps the budget capped this rank's prefill
         self.backlog = 0.0                        # prefill pending on the other ranks, in full steps (last view)
 
     def note_step(self, dur_ms: float) -> None:
@@ -68,7 +68,7 @@ class RankStep:
         must = queued = 0
         if self.budget is not None:
             must, queued = self.prefill_need(plan, now_s)
-        forced = int(self.budget is not None and 0 < self.budget.max_hold_steps <= self.held_steps)
+        forced = int(self.budget is not None and 0 < self.budget.max_capped_steps <= self.capped_steps)
         row = [int(core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
                release, int(stopping), plan.decode_tokens, must, int(self.budget is not None), queued, forced]
         return plan, row
@@ -107,14 +107,14 @@ class RankStep:
             T = view.memo.get("budget")
             if T is None:   # the same on every rank: computed once per view
                 T = view.memo["budget"] = self._budget(view)
-            # the prefill pending on the OTHER ranks, in full steps: what a held prefill could
+            # the prefill pending on the OTHER ranks, in full steps: what a capped prefill could
             # share a balanced step with (waiting for nobody is futile)
             q = view.column(F_QUEUED)
             self.backlog = (_queued(view) - q[self.rank]) / (len(q) * self.budget.max_tokens)
             planned = plan.num_tokens
             trim_plan(plan, allowed(plan.decode_tokens, plan.num_tokens, T))
-            self.held_steps = self.held_steps + 1 if plan.num_tokens < planned else 0
-            if plan.dropped and plan.admitted:   # held back entirely: release their KV too
+            self.capped_steps = self.capped_steps + 1 if plan.num_tokens < planned else 0
+            if plan.dropped and plan.admitted:   # capped to nothing: release their KV too
                 gone = set(plan.dropped)
                 self.core.unadmit([q for q in plan.admitted if q.id in gone])
         released = 0
@@ -133,7 +133,7 @@ class RankStep:
         cfg = self.budget
         decode, tokens, must = view.column(F_DECODE), view.column(F_TOKENS), view.column(F_MUST)
         if cfg.min_balance > 0:
-            # the largest budget most ranks can fill; a rank held max_hold_steps in a row runs
+            # the largest budget most ranks can fill; a rank capped max_capped_steps in a row runs
             T = balanced_budget(decode, tokens, cfg.min_balance, cfg.max_tokens)
             for t, f in zip(tokens, view.column(F_FORCED)):
                 if f:

@@ -28,7 +28,7 @@ class BudgetConfig:
     step_ms: float = 10.0           # step time must_tokens plans with (0: the caller's measured step)
     min_balance: float = 0.0        # >0: under a backlog, the largest budget whose step stays this balanced
     backlog_steps: float = 1.0      # a backlog: the group's pending prefill fills this many full steps
-    max_hold_steps: int = 0         # >0: a rank whose prefill was held this many steps in a row runs it
+    max_capped_steps: int = 0       # >0: a rank whose prefill was capped this many steps in a row runs it
     min_delay_ms: float = 0.0       # with min_balance: a prefill may wait this long even with no backlog
 
     def __post_init__(self) -> None:
@@ -52,7 +52,7 @@ def from_settings(settings: Any) -> BudgetConfig | None:
         return None
     return BudgetConfig(max_tokens=settings.max_num_batched_tokens, max_delay_ms=settings.align_max_delay_ms,
                         min_delay_ms=settings.align_min_delay_ms, backlog_steps=settings.align_backlog_steps,
-                        min_balance=settings.align_min_balance, max_hold_steps=settings.align_max_hold_steps,
+                        min_balance=settings.align_min_balance, max_capped_steps=settings.align_max_capped_steps,
                         step_ms=0.0)
 
 

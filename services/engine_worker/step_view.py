@@ -18,11 +18,11 @@ F_GATE = 3           # staggered batches: highest batch whose share fully arrive
 F_GATE_HELD = 4      # oldest batch whose prefill this rank still holds (0 = none)
 F_RELEASE = 5        # rank 0 only: release held batches up to this one (shared timeout)
 F_STOP = 6           # rank is shutting down: the group must stop together
-F_DECODE = 7         # token alignment: decode tokens among F_TOKENS (never held back)
+F_DECODE = 7         # token alignment: decode tokens among F_TOKENS (never capped)
 F_MUST = 8           # token alignment: tokens this rank's prefill deadlines need this step
 F_ALIGN = 9          # token alignment enabled here (applied only when every rank has it)
 F_QUEUED = 10        # token alignment: prefill tokens pending on this rank (the group's backlog)
-F_FORCED = 11        # token alignment: this rank's prefill was held max_hold_steps in a row: it runs
+F_FORCED = 11        # token alignment: this rank's prefill was capped max_capped_steps in a row: it runs
 FIELDS = 12
 
 

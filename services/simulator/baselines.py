@@ -493,7 +493,7 @@ def policy_specs(lockstep_gate_timeout_s: float = 0.1) -> dict[str, PolicySpec]:
                    gate=("batch", lockstep_gate_timeout_s), step_budget={},
                    source="lockstep StaggeredBatcher + engine gate + per-step token budget"),
         PolicySpec("waterfill", _lockstep("waterfill"), lockstep=True,
-                   step_budget={"min_balance": 0.9, "max_hold_steps": 32, "step_ms": 0.0, "max_delay_ms": 3000.0},
+                   step_budget={"min_balance": 0.9, "max_capped_steps": 32, "step_ms": 0.0, "max_delay_ms": 3000.0},
                    source="lockstep WaterFill (late-binding prefill placement) + coordinated prefill budget"),
         _default_spec(),
     ]
