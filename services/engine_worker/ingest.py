@@ -1,6 +1,6 @@
 """Admitting what the inbox brought at a step boundary: requests into the engine core
-(a second copy of one already here is dropped), aborts of requests here; malformed
-entries acked and logged, never stopping the step loop."""
+(a second copy of one already here is dropped, a newer epoch of it replaces it), aborts
+of requests here; malformed entries acked and logged, never stopping the step loop."""
 
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ def ingest(state: RankState, fetched: list[tuple[bytes, dict[str, Any]]], log: A
                 st.acks.append(eid)
                 log.error("bad_inbox_entry", entry=eid.decode(), error=str(exc))
                 continue
-            if req.id in st.entry_of:          # already running here
-                if st.entry_of[req.id] != eid:  # a second dispatch of it: drop that copy
-                    st.acks.append(eid)
-                continue
+            if req.id in st.entry_of:          # already here
+                if not supersede(st, req, eid, log):
+                    if st.entry_of[req.id] != eid:  # a second dispatch of it: drop that copy
+                        st.acks.append(eid)
+                    continue
             if req.dispatcher:
                 st.recv.note(req.dispatcher, req.dispatch_seq, time.monotonic())
             seq = Sequence.from_request(req, req.dispatcher or "", req.dispatch_seq)
@@ -58,3 +59,21 @@ def ingest(state: RankState, fetched: list[tuple[bytes, dict[str, Any]]], log: A
         else:
             st.acks.append(eid)
             log.warning("inbox_entry_ignored", kind=kind)
+
+
+def supersede(state: RankState, req: Request, eid: bytes, log: Any) -> bool:
+    """A newer epoch of a request this rank still runs: its api-server resumed it (a scan
+    took this rank for dead while its heartbeat lapsed: a stall, a Redis failover) and
+    ignores the deltas of the copy here. Drop that copy, so the new one is admitted and
+    continues from the tokens the client has; dropping the new one would stall the stream
+    for good. True when the old copy was dropped."""
+    here = state.core.get(req.id)
+    if here is None or req.epoch <= here.epoch:
+        return False
+    state.core.abort(req.id)
+    old = state.forget(req.id)
+    if old is not None and old != eid:
+        state.acks.append(old)   # (already acked by the scan that resumed it: a no-op then)
+    log.warning("request_superseded", request_id=req.id, epoch=req.epoch, old_epoch=here.epoch,
+                streamed=len(req.generated), had=len(here.generated))
+    return True

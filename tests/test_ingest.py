@@ -1,0 +1,71 @@
+"""What a rank does with the inbox entries it read (services/engine_worker/ingest.py), on
+the real engine core: a second dispatch of a request it runs is dropped, a resumed (newer
+epoch) copy replaces the stale one instead."""
+
+from __future__ import annotations
+
+import orjson
+
+from services.engine_worker.batch_gate import BatchGate
+from services.engine_worker.block_manager import BlockManager
+from services.engine_worker.engine_scheduler import EngineScheduler
+from services.engine_worker.ingest import ingest
+from services.engine_worker.rank_state import RankState
+from services.engine_worker.rank_step import RankStep
+from shared.messages import Request, SamplingParams, encode
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def __getattr__(self, level: str):
+        return lambda event, **kw: self.events.append(event)
+
+
+def _state() -> RankState:
+    core = EngineScheduler(BlockManager(64, 16), max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512)
+    gate = BatchGate(rank=0, timeout_s=0.5)
+    return RankState(0, core, gate, RankStep(0, core, gate, None))
+
+
+def _entry(epoch: int = 0, generated: list[int] | None = None) -> dict:
+    req = Request("r1", "api-a", [1, 2, 3, 4], SamplingParams(max_tokens=20), 1.0,
+                  generated=generated or [], epoch=epoch)
+    return orjson.loads(encode(req))
+
+
+def _run_steps(st: RankState, n: int) -> None:
+    for _ in range(n):
+        plan = st.core.schedule()
+        st.core.postprocess(plan, {c.seq_id: 7 for c in plan.chunks if c.sample}, 0.0)
+
+
+def test_a_second_dispatch_of_the_same_epoch_is_dropped_and_acked():
+    st, log = _state(), _Log()
+    ingest(st, [(b"1-0", _entry())], log)
+    _run_steps(st, 3)
+    ingest(st, [(b"2-0", _entry())], log)
+    assert st.entry_of["r1"] == b"1-0" and st.acks == [b"2-0"]
+    assert len(st.core.get("r1").generated) == 3
+
+
+def test_a_resumed_copy_replaces_the_stale_one_here():
+    """The api-server resumed r1 (this rank's heartbeat lapsed and a scan took it for
+    dead) and the scheduler placed it back here. Dropping the new copy, as a duplicate,
+    left the old one streaming deltas of an epoch the api-server ignores: the stream
+    stalled for good."""
+    st, log = _state(), _Log()
+    ingest(st, [(b"1-0", _entry())], log)
+    _run_steps(st, 5)
+    blocks_before = st.core.kv_used
+    ingest(st, [(b"2-0", _entry(epoch=1, generated=[7, 7]))], log)
+    seq = st.core.get("r1")
+    assert seq.epoch == 1 and seq.generated == [7, 7]          # continues from what the client has
+    assert st.entry_of["r1"] == b"2-0" and st.acks == [b"1-0"]  # the stale entry acked, the new one kept
+    assert st.core.num_running + st.core.num_waiting == 1
+    assert st.core.kv_used <= blocks_before                     # the stale copy's blocks were freed
+    assert "request_superseded" in log.events
+    # And an older copy arriving after the new one (a re-read) is still dropped.
+    ingest(st, [(b"1-0", _entry())], log)
+    assert st.core.get("r1").epoch == 1 and st.acks[-1] == b"1-0"

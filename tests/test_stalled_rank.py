@@ -1,0 +1,60 @@
+"""A rank that stalls past its heartbeat and comes back (SIGSTOP/SIGCONT: a long GC, a
+swapped-out host, a Redis failover that outlasts the alive key's TTL) while its requests
+stream: the scheduler takes it for dead and resumes its requests, the api-server
+resubmits them, and with one rank they are placed back on the same rank, which still
+runs the old copies. Every stream must still complete with exactly its tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+from tests.conftest import start_cluster
+from tests.helpers import poll_until
+from tests.redis_topology import check_streams, stream_many
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(180)
+def test_rank_back_from_a_stall_longer_than_its_heartbeat_loses_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCKSTEP_HEARTBEAT_MS", "200")   # the alive key lapses 0.6 s into a stall
+    cluster = start_cluster(tmp_path, "--ranks", "1", "--spares", "0", "--api-servers", "1", "--backend", "sim",
+                            namespace="lstall")
+    stopped = None
+    try:
+        def status() -> dict:
+            res = cluster.cli("status", "--json")
+            assert res.returncode == 0, res.stderr
+            return json.loads(res.stdout)
+
+        pid = status()["ranks"][0]["pid"]
+        n, tokens = 8, 300
+        started = threading.Event()
+        results: list = []
+        worker = threading.Thread(target=lambda: results.extend(stream_many(cluster.api_url, n, tokens, "st",
+                                                                            started)))
+        worker.start()
+        try:
+            assert started.wait(60), "no token streamed before the stall"
+            os.kill(pid, signal.SIGSTOP)
+            stopped = pid
+            poll_until(lambda: status()["scheduler"]["counters"].get("resumed", 0) >= 1, timeout=60,
+                       what="the scheduler resumes the stalled rank's requests", interval=0.2)
+            os.kill(pid, signal.SIGCONT)
+            stopped = None
+        finally:
+            worker.join(150)
+        assert not worker.is_alive(), "the streams did not finish"
+        check_streams(results, n, tokens, "st")
+        # The same process serves on: it never lost its slot to anyone.
+        assert status()["ranks"][0]["pid"] == pid
+        assert cluster.proc.poll() is None
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        cluster.stop()
