@@ -156,14 +156,14 @@ class ApiServerSettings(Settings):
 
 class SchedulerSettings(Settings):
     policy: str = Field("waterfill", description="Dispatch policy (waterfill, round_robin, least_score, least_tokens, staggered); see lockstep up --help.")
-    level_tokens: int = Field(4096, description="waterfill: a rank with less prefill pending than this gets the oldest held request (2 x the engines' max_num_batched_tokens).")
+    level_tokens: int = Field(4096, description="waterfill: a rank with less prefill pending than this gets the oldest unplaced request (2 x the engines' max_num_batched_tokens).")
     dispatch: str = Field("scheduler", description="'scheduler' or 'client' (api-servers pick ranks; refused with policy staggered).")
     num_api_servers: int = Field(1, description="api-server replicas (for the local-view bump).")
     ranks: int = Field(4, description="DP ranks expected in the engine group.")
     read_count: int = Field(512, description="Requests read per stream round trip.")
     grace_ms: float = Field(50.0, description="Wait this long for missing ranks before finalizing a step.")
     snapshot_min_interval_ms: float = Field(5.0, description="Publish snapshots at most this often (newer steps coalesce; at real step times every step is published).")
-    max_wait_ms: float = Field(0.0, description="Staggered: longest a request is held; 0 = learned (about two steps).")
+    max_wait_ms: float = Field(0.0, description="Staggered: longest a request waits unplaced; 0 = learned (about two steps).")
     request_record_ttl_s: int = Field(600, description="Lifetime of a request record <ns>:req:<id>, refreshed at each write (memory: about 350 bytes x request rate x this; docs/operations.md).")
     lease_ms: int = Field(1000, description="Leadership lease (renewed every third of it); a standby takes over after it lapses.")
     metrics_port: int = Field(0, description="Serve Prometheus metrics (lockstep_*) on this port; 0 = off.")

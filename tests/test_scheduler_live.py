@@ -1,5 +1,5 @@
 """The scheduler service driven directly (no cluster) against the real embedded Redis:
-held requests that are aborted, back-pressure, loops that survive errors, failover ids.
+unplaced requests that are aborted, back-pressure, loops that survive errors, failover ids.
 
 Each test runs a ``SchedulerService`` in the test's event loop, writes request-stream
 entries the way an api-server does, and reads what reached the rank inboxes."""
@@ -62,8 +62,8 @@ async def _inbox_docs(r: Any, keys: K.Keys, ranks: int = 2) -> dict[str, dict]:
     return out
 
 
-async def test_aborting_a_held_request_loses_no_other_request(redis_url, namespace):
-    """Issue #14.2: an abort of a held request drops it from the batcher too; the next
+async def test_aborting_an_unplaced_request_loses_no_other_request(redis_url, namespace):
+    """Issue #14.2: an abort of an unplaced request drops it from the batcher too; the next
     batch goes out whole and nothing is acked that was not emitted."""
     svc = SchedulerService(_settings(redis_url, namespace))
     keys = svc.keys
@@ -71,7 +71,7 @@ async def test_aborting_a_held_request_loses_no_other_request(redis_url, namespa
     try:
         async with running(svc) as task:
             await r.xadd(keys.requests, {FIELD: _req("A")})
-            await wait_until(lambda: _held(svc, "A"), timeout=5)
+            await wait_until(lambda: _unplaced(svc, "A"), timeout=5)
             await r.xadd(keys.requests, {FIELD: dumps(Abort("A").to_dict())})
             # The client of A gets its abort straight from the scheduler (A never reached a rank).
             await wait_until(lambda: _out_has_abort(r, keys, "apiT", "A"), timeout=5)
@@ -82,9 +82,9 @@ async def test_aborting_a_held_request_loses_no_other_request(redis_url, namespa
             assert not task.done(), "the scheduler stopped"
             assert docs["B"]["b"] == docs["C"]["b"], "B and C go out as one batch"
             assert sum(docs["B"]["bc"]) == 2, "the batch counts do not include the aborted request"
-            # Everything was either emitted or answered: nothing left pending or held.
+            # Everything was either emitted or answered: nothing left pending or unplaced.
             await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
-            assert not svc.held
+            assert not svc.unplaced
     finally:
         await r.aclose()
 
@@ -145,8 +145,8 @@ async def _true(v: bool) -> bool:
     return v
 
 
-async def _held(svc: SchedulerService, rid: str) -> bool:
-    return rid in svc.held
+async def _unplaced(svc: SchedulerService, rid: str) -> bool:
+    return rid in svc.unplaced
 
 
 async def _have(r: Any, keys: K.Keys, ids: set[str]) -> dict[str, dict] | None:

@@ -130,9 +130,9 @@ def test_released_once_within_bound(evs, hard, max_wait, mbpr, client):
                     echoed[a.rank] = max(echoed[a.rank], a.seq)
             b.set_ranks(ev[2])
             drain_until(b, t, out)
-        assert b.held < max(1, len(b.ranks) * mbpr) or b.next_deadline() <= t
+        assert b.unplaced < max(1, len(b.ranks) * mbpr) or b.next_deadline() <= t
     drain_until(b, float("inf"), out)
-    assert b.held == 0 and b.next_deadline() is None
+    assert b.unplaced == 0 and b.next_deadline() is None
 
     ids = [a.request_id for _, a in out]
     assert len(ids) == len(set(ids)) == len(submitted)          # exactly once
@@ -304,7 +304,7 @@ def test_no_rank_has_room_still_released():
     b = StaggeredBatcher(ranks=[0, 1])
     b.on_snapshot(snap(1, {0: dict(kv_total=10, kv_used=10), 1: dict(kv_total=10, kv_used=9)}))
     got = b.submit(req(0, 1600), 0.0) + b.submit(req(1, 1600), 0.0)
-    assert len(got) == 2 and b.kv_overflow == 2 and b.held == 0
+    assert len(got) == 2 and b.kv_overflow == 2 and b.unplaced == 0
 
 
 def test_larger_batches_respect_kv_greedily():
@@ -326,7 +326,7 @@ def test_explicit_bypasses_holding_and_counts_as_load():
     b = StaggeredBatcher(ranks=[0, 1], dispatcher_id="api-7")
     a = b.note_explicit(req(0, 300, 20), 1, 0.0)
     assert (a.rank, a.reason, a.batch, a.seq, a.dispatcher) == (1, "explicit", None, 1, "api-7")
-    assert b.held == 0 and b.load(1) == 320 and b.explicit == 1
+    assert b.unplaced == 0 and b.load(1) == 320 and b.explicit == 1
     got = b.submit(req(1, 300, 20), 0.0) + b.submit(req(2, 400, 20), 0.0)
     assert {x.request_id: x.rank for x in got} == {"r2": 0, "r1": 1}   # 420 | 320+320
     assert got[0].batch == "api-7-1" and got[0].batch_counts == (1, 1)
@@ -348,7 +348,7 @@ def test_stale_snapshot_ignored():
 
 # ------------------------------------------------------------------ bounds
 def test_no_ranks_holds_bounded_then_releases():
-    b = StaggeredBatcher(ranks=[], max_held=5)
+    b = StaggeredBatcher(ranks=[], max_unplaced=5)
     for i in range(5):
         assert b.submit(req(i), float(i)) == []
     assert b.next_deadline() is None
@@ -357,7 +357,7 @@ def test_no_ranks_holds_bounded_then_releases():
     b.set_ranks([2, 5])
     assert b.next_deadline() <= 9.0
     got = b.poll(9.0)
-    assert len(got) == 5 and b.held == 0
+    assert len(got) == 5 and b.unplaced == 0
     assert {a.rank for a in got} <= {2, 5} and len(got[0].batch_counts) == 6
     assert got[0].batch_counts[0] == 0 and sum(got[0].batch_counts) == 5
 

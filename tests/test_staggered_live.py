@@ -87,7 +87,7 @@ def test_burst_starts_its_prefills_on_every_rank_in_the_same_step(staggered):
     RESULTS["staggered"] = runs
 
 
-def test_trickle_is_not_held_beyond_the_wait_bound(staggered):
+def test_a_trickle_waits_no_longer_than_the_wait_bound(staggered):
     """One request every 2 s cannot fill a batch: each is released by its wait bound (or at
     once, when the batcher has learned the arrival rate), and its first token is computed
     within 200 ms + two steps of the api-server accepting it: at most one step to reach a

@@ -1,5 +1,5 @@
 """The default policy's pure parts: waterfill placement (late binding of prefill work), the
-coordinated prefill budget, and undoing an admission the budget held back."""
+coordinated prefill budget, and undoing an admission the budget capped to nothing."""
 
 import pytest
 
@@ -32,14 +32,14 @@ def test_places_at_once_with_headroom_on_the_least_pending_rank():
     assert [a.rank for a in out] == [1]
     out = p.submit(_req(3, prompt=5000), 0.0)
     assert [a.rank for a in out] == [1]             # 1600 is still the least
-    assert p.held == 0
+    assert p.unplaced == 0
 
 
-def test_holds_while_every_rank_is_above_the_level_and_releases_fcfs_as_ranks_drain():
+def test_keeps_requests_unplaced_while_every_rank_is_above_the_level_and_releases_fcfs_as_ranks_drain():
     p = make_policy("waterfill", ranks=[0, 1], level_tokens=4096, max_hold_s=10.0)
     p.on_snapshot(_snap([5000, 6000]))
     assert p.submit(_req(1), 0.0) == [] and p.submit(_req(2), 0.1) == []
-    assert p.held == 2
+    assert p.unplaced == 2
     assert p.poll(0.2) == []                         # nothing drained yet
     p.on_snapshot(_snap([5000, 1000], seq=2))
     out = p.poll(0.3)
@@ -47,7 +47,7 @@ def test_holds_while_every_rank_is_above_the_level_and_releases_fcfs_as_ranks_dr
     assert [(a.request_id, a.rank) for a in out] == [("1", 1), ("2", 1)]
 
 
-def test_a_held_request_is_released_by_the_bound_even_if_the_view_never_changes():
+def test_an_unplaced_request_is_released_by_the_bound_even_if_the_view_never_changes():
     p = make_policy("waterfill", ranks=[0, 1], level_tokens=100, max_hold_s=2.0)
     p.on_snapshot(_snap([5000, 6000]))
     assert p.submit(_req(1), 0.0) == []
@@ -58,8 +58,8 @@ def test_a_held_request_is_released_by_the_bound_even_if_the_view_never_changes(
 
 
 def test_polling_at_next_deadline_always_releases():
-    """Regression: poll(next_deadline()) must release the held request. With the bound
-    computed as now - t0 >= max_hold_s, float rounding ((t0 + 5) - t0 < 5) kept it held
+    """Regression: poll(next_deadline()) must release the unplaced request. With the bound
+    computed as now - t0 >= max_hold_s, float rounding ((t0 + 5) - t0 < 5) kept it unplaced
     and the caller polled again at the same instant forever (a simulator hang)."""
     for t0 in (60.398252889171125, 11.55581805922733, 6.2964790047645325, 0.1):
         p = make_policy("waterfill", ranks=[0, 1], level_tokens=1, max_hold_s=5.0)
@@ -70,14 +70,14 @@ def test_polling_at_next_deadline_always_releases():
 
 
 def test_drop_and_bounded_queue():
-    p = make_policy("waterfill", ranks=[0], level_tokens=1, max_held=2)
+    p = make_policy("waterfill", ranks=[0], level_tokens=1, max_unplaced=2)
     p.on_snapshot(_snap([10]))
     p.submit(_req(1), 0.0)
     p.submit(_req(2), 0.0)
     with pytest.raises(BatcherFull):
         p.submit(_req(3), 0.0)
     assert p.drop("1") and not p.drop("1")
-    assert p.held == 1
+    assert p.unplaced == 1
 
 
 def test_client_mode_places_immediately():
@@ -177,3 +177,4 @@ def test_min_delay_lets_a_lone_prefill_wait_for_company_but_not_past_its_deadlin
         now += 0.010
         done += _step(ranks, now)[0]
     assert now <= 0.200 + 0.010
+

@@ -45,7 +45,7 @@ def up(
     persist: Optional[str] = typer.Option(None, "--persist", help="Keep the embedded Redis data in this directory."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="sim backend: scale modeled device time (0 = none)."),
     max_wait_ms: Optional[float] = typer.Option(None, "--max-wait-ms", min=0.0,
-                                                help="staggered: longest a request is held before its batch goes out "
+                                                help="staggered: longest a request waits unplaced before its batch goes out "
                                                      "(LOCKSTEP_MAX_WAIT_MS; default: learned, about two steps)."),
     align_tokens: bool = typer.Option(True, "--align-tokens/--no-align-tokens",
                                       help="Coordinated prefill across ranks (each step's prefill capped at one "

@@ -90,7 +90,7 @@ def request_cmd(request_id: str = typer.Argument(..., help="Request id (the 'id'
         if json:
             emit_json({"id": request_id, "found": False})
         fail(f"no record of request {request_id!r} in namespace {namespace!r}: unknown id, not yet placed "
-             f"(queued or held for a batch), placed by an api-server in client-dispatch mode and still running, "
+             f"(unread, or kept unplaced by the scheduler's policy), placed by an api-server in client-dispatch mode and still running, "
              f"or older than its TTL (request_record_ttl_s, default {K.REQ_HASH_TTL_S}s)", 1)
     if json:
         emit_json({"found": True, **info})

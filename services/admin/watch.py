@@ -123,7 +123,7 @@ async def collect_frame(url: str, namespace: str, window_s: float) -> dict[str, 
     pct = {k: (round(v * 1000, 2) if v == v else None) for k, v in percentiles(ttft).items()}
     queues["inbox_pending"] = sum(rk["inbox_pending"] for rk in base["ranks"])
     counters = base["scheduler"].get("counters", {})
-    queues["held_for_batch"] = counters.get("policy_held", 0) if isinstance(counters.get("policy_held"), int) else 0
+    queues["unplaced"] = counters.get("policy_unplaced", 0) if isinstance(counters.get("policy_unplaced"), int) else 0
     return {**base, "t": now, "measures": m, "ttft_ms": {**pct, "n": len(ttft)}, "queues": queues}
 
 
@@ -181,7 +181,7 @@ def render_frame(data: dict[str, Any]) -> Any:
         f"TTFT ms p50 [bold]{_fmt(tt['p50'], '.1f')}[/bold]  p90 {_fmt(tt['p90'], '.1f')}  "
         f"p99 {_fmt(tt['p99'], '.1f')}  (n={tt['n']})",
         f"queues: requests stream {q['requests_len']} (unread {q['scheduler_lag']}, unacked {q['scheduler_pending']})"
-        f"   held for a batch {q['held_for_batch']}",
+        f"   unplaced in the scheduler {q['unplaced']}",
         f"rank inboxes unacked {q['inbox_pending']}   "
         + (f"snapshot wave {snap['wave']} step {snap['step']} ({snap['age_s']:.1f}s ago)" if snap else "no snapshot yet"),
     ]))

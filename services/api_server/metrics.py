@@ -8,7 +8,7 @@ live replicas, the load-view gauges (the same snapshot on every replica) the mos
 
 ``vllm:num_requests_waiting`` counts every request accepted and not yet running on a rank:
 the ranks' queues (the snapshot) and, read at each scrape, the requests the scheduler has
-not placed yet, unread or held on the request stream (its group's lag and pending).
+not placed yet, unread or unplaced on the request stream (its group's lag and pending).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ class ApiMetrics:
 
 def unplaced_of(groups: Any) -> int:
     """From XINFO GROUPS of the request stream: entries the scheduler's group has not read
-    (lag) or read and not acked (pending: held for placement, or deferred). An entry is
+    (lag) or read and not acked (pending: unplaced, or deferred). An entry is
     acked in the same transaction that places it (services/scheduler/intake.py)."""
     for g in groups if isinstance(groups, list) else ():
         g = str_keys(g)

@@ -26,7 +26,7 @@ async def recover_orphans(r: Redis, keys: K.Keys, ranks: list[int], live: set[in
     """Resume the requests of dead ranks on live ones; returns {api: request ids} resumed.
 
     Each engine incarnation reads its inbox under its own consumer name and acks a request
-    only when it finishes, so whatever a dead incarnation held is still pending under its
+    only when it finishes, so whatever a dead incarnation had is still pending under its
     name. Those entries are claimed (atomically: one owner) by the ``recovery`` consumer,
     and then their api-servers' ``resume`` notices and the acks go in **one** MULTI/EXEC:
     an entry is acked only with its notice. A crash in between leaves the entries pending

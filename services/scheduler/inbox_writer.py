@@ -19,7 +19,7 @@ ASSIGNED_MEMORY = 200_000   # request id -> rank, for routing aborts (LRU, bound
 
 
 class InboxWriter:
-    """Writes ``state.assigned``, ``state.held`` (pops released entries) and the counters."""
+    """Writes ``state.assigned``, ``state.unplaced`` (pops released entries) and the counters."""
 
     def __init__(self, keys: K.Keys, settings: SchedulerSettings, state: SchedulerState, log: Any) -> None:
         self.keys, self.s, self.state, self.log = keys, settings, state, log
@@ -56,23 +56,23 @@ class InboxWriter:
         st.counters["dispatched"] += 1
 
     def release(self, pipe: Any, a: Assignment, now: float) -> bytes | None:
-        """Emit a held request the batcher released; its stream entry id (to ack), or None."""
-        held = self.state.held.pop(a.request_id, None)
-        if held is None:
+        """Emit an unplaced request the policy released; its stream entry id (to ack), or None."""
+        kept = self.state.unplaced.pop(a.request_id, None)
+        if kept is None:
             # The batcher released a request this service no longer holds (it cannot when
             # aborts drop it from the batcher too): skip it rather than lose the batch.
-            self.log.error("released_request_not_held", request_id=a.request_id, batch=a.batch)
+            self.log.error("released_request_unknown", request_id=a.request_id, batch=a.batch)
             return None
-        eid, req = held
+        eid, req = kept
         self.emit(pipe, req, a, now)
         return eid
 
     def route_abort(self, pipe: Any, ab: Abort) -> None:
         st = self.state
-        held = st.held.pop(ab.id, None)
-        if held is not None:
+        kept = st.unplaced.pop(ab.id, None)
+        if kept is not None:
             # Never reached a rank: answer the api-server directly.
-            eid, req = held
+            eid, req = kept
             drop = getattr(st.policy, "drop", None)
             if drop is not None:
                 drop(ab.id)

@@ -1,6 +1,6 @@
 """The request stream ``<ns>:requests`` (group ``scheduler``): read new entries, take back
 what was read and never acked (a dead leader's, ours before an outage, entries deferred on
-purpose), and turn each into a dispatch, a held request or a routed abort, acked in the
+purpose), and turn each into a dispatch, an unplaced request or a routed abort, acked in the
 same transaction as what it caused."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ RETRY_DEFERRED_S = 0.5      # take back entries left unacked on purpose (back-pr
 
 
 class Intake:
-    """Writes ``state.held`` (requests waiting for a batch) and clears ``state.redis_trouble``."""
+    """Writes ``state.unplaced`` (requests the policy keeps for now) and clears ``state.redis_trouble``."""
 
     def __init__(self, r: Any, keys: K.Keys, settings: SchedulerSettings, consumer: str, state: SchedulerState,
                  writer: InboxWriter, log: Any) -> None:
@@ -61,7 +61,7 @@ class Intake:
             nxt, claimed, *_ = await self.r.xautoclaim(self.keys.requests, K.SCHEDULER_GROUP, self.id,
                                                         min_idle_time=0, start_id=start, count=1000)
             entries = [e for e in (decode_entries([(self.keys.requests.encode(), claimed)]) if claimed else [])
-                       if not (e[2].get("k") == "req" and e[2].get("id") in self.state.held)]
+                       if not (e[2].get("k") == "req" and e[2].get("id") in self.state.unplaced)]
             if entries:
                 self.log.info("reclaimed_requests", n=len(entries))
                 pipe = self.r.pipeline(transaction=False)
@@ -75,8 +75,8 @@ class Intake:
 
     async def handle(self, entries: list[tuple[bytes, bytes, dict[str, Any]]],
                      placed: list[Any] | None = None) -> None:
-        """Dispatch, hold or route each entry; ack only what was emitted (in the same
-        transaction) or is malformed for good. A held entry stays pending in the group (a
+        """Dispatch, keep unplaced or route each entry; ack only what was emitted (in the same
+        transaction) or is malformed for good. An unplaced entry stays pending in the group (a
         successor reclaims it); one the policy could not take (``BatcherFull``, an error)
         stays pending too and is taken back after ``RETRY_DEFERRED_S``."""
         st, w = self.state, self.writer
@@ -112,11 +112,11 @@ class Intake:
                         w.emit(pipe, req, st.policy.note_explicit(info, req.rank, now), now)
                         acks.append(eid)
                     elif st.batching:
-                        st.held[req.id] = (eid, req)
+                        st.unplaced[req.id] = (eid, req)
                         try:
                             released = st.policy.submit(info, now)
                         except BaseException:
-                            st.held.pop(req.id, None)
+                            st.unplaced.pop(req.id, None)
                             raise
                         acks.extend(e for e in (w.release(pipe, a, now) for a in released) if e is not None)
                         w.record_batches(pipe, released)

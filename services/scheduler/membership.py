@@ -33,7 +33,7 @@ class Membership:
         self.recovery.ever_alive.update(live)
         drained = {int(x) for x in res[-1]}
         # A new incarnation of a rank (a hot spare took the slot of a dead process before
-        # this loop saw it empty): what the old one held is resumed now, not at the next scan.
+        # this loop saw it empty): what the old one had is resumed now, not at the next scan.
         consumers = dict(zip(st.ranks, res[1:-1:2]))
         if any(self.consumers.get(r) not in (None, c) for r, c in consumers.items()):
             self.recovery.soon()
@@ -45,7 +45,7 @@ class Membership:
             eligible = [r for r in live if r not in drained] or [r for r in st.ranks if r not in drained]
             st.policy.set_ranks(eligible or st.ranks)
             if st.batching:
-                st.wake_batcher.set()   # fewer ranks can make a held batch full
+                st.wake_batcher.set()   # fewer ranks can make the unplaced requests a full batch
             self.recovery.soon()
         await self.recovery.scan_if_due()
         await asyncio.sleep(POLL_S)

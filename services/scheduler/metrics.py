@@ -121,8 +121,8 @@ class SchedulerMetrics:
                                ["reason"], registry=r)
         self.queue = Histogram("lockstep_scheduler_queue_seconds", "Api-server acceptance to placement on a rank",
                                buckets=_WAIT, registry=r)
-        self.hold = Histogram("lockstep_scheduler_batch_hold_seconds", "Time a batched request was held before "
-                              "its batch was released", ["reason"], buckets=_WAIT, registry=r)
+        self.hold = Histogram("lockstep_scheduler_batch_hold_seconds", "Time a batched request waited unplaced "
+                              "before its batch was released", ["reason"], buckets=_WAIT, registry=r)
         r.register(_StateCollector(service))
         self._last_batch: str | None = None
 

@@ -1,5 +1,5 @@
 """Work left behind by dead ranks: every ``ORPHAN_SCAN_S`` (and at once when membership
-changes) resume what a dead engine incarnation held (services/scheduler/housekeeping.py)
+changes) resume what a dead engine incarnation had (services/scheduler/housekeeping.py)
 and trim what every rank has acked."""
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ class SchedulerService:
     counters = property(lambda self: self.state.counters)
     live = property(lambda self: self.state.live)
     drained = property(lambda self: self.state.drained)
-    held = property(lambda self: self.state.held)
+    unplaced = property(lambda self: self.state.unplaced)
     last_snapshot = property(lambda self: self.state.last_snapshot)
     dispatcher_id = property(lambda self: self.state.dispatcher_id)
 

@@ -1,5 +1,5 @@
 """What the scheduler's jobs share while this process leads: the policy, the step
-aggregator, what is held and where each request went, which ranks may get work. Plain
+aggregator, the unplaced requests and where each request went, which ranks may get work. Plain
 data, one object; each job file says which fields it writes."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class SchedulerState:
     counters: dict[str, int] = field(default_factory=lambda: {
         "dispatched": 0, "explicit": 0, "aborts_routed": 0, "snapshots": 0, "bad_entries": 0})
     assigned: OrderedDict[str, int] = field(default_factory=OrderedDict)   # request id -> rank (aborts)
-    held: dict[str, tuple[bytes, Request]] = field(default_factory=dict)  # staggered: id -> (entry, request)
+    # read, not placed yet (waterfill, staggered): id -> (stream entry, request)
+    unplaced: dict[str, tuple[bytes, Request]] = field(default_factory=dict)
     live: list[int] = field(default_factory=list)
     drained: set[int] = field(default_factory=set)
     last_snapshot: Snapshot | None = None

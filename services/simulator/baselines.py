@@ -334,7 +334,7 @@ class FastDeployBatcher(_SeqMixin):
         self.dispatcher_id = dispatcher_id
         self.window_s = window_s
         self._seqs: dict[int, int] = {}
-        self._held: list[tuple[RequestInfo, float]] = []
+        self._unplaced: list[tuple[RequestInfo, float]] = []
         self._n = 0
         self._rot = 0
         self.set_ranks(ranks)
@@ -346,31 +346,31 @@ class FastDeployBatcher(_SeqMixin):
         pass  # the external scheduler's use of rank reports was not published
 
     def submit(self, req: RequestInfo, now: float) -> list[Assignment]:
-        self._held.append((req, now))
-        if len(self._held) >= len(self.ranks):
+        self._unplaced.append((req, now))
+        if len(self._unplaced) >= len(self.ranks):
             return self._release()
         return []
 
     def poll(self, now: float) -> list[Assignment]:
-        if self._held and now >= self._held[0][1] + self.window_s:
+        if self._unplaced and now >= self._unplaced[0][1] + self.window_s:
             return self._release()
         return []
 
     def next_deadline(self) -> float | None:
-        return self._held[0][1] + self.window_s if self._held else None
+        return self._unplaced[0][1] + self.window_s if self._unplaced else None
 
     def _release(self) -> list[Assignment]:
-        held, self._held = self._held, []
+        batch, self._unplaced = self._unplaced, []
         self._n += 1
         bid = f"{self.dispatcher_id}-fd{self._n}"
         m = len(self.ranks)
-        where = [self.ranks[(self._rot + k) % m] for k in range(len(held))]
-        self._rot = (self._rot + len(held)) % m
+        where = [self.ranks[(self._rot + k) % m] for k in range(len(batch))]
+        self._rot = (self._rot + len(batch)) % m
         counts = [0] * (self.ranks[-1] + 1)
         for r in where:
             counts[r] += 1
         ct = tuple(counts)
-        return [self._assign(req, r, "batch", batch=bid, batch_counts=ct) for (req, _), r in zip(held, where)]
+        return [self._assign(req, r, "batch", batch=bid, batch_counts=ct) for (req, _), r in zip(batch, where)]
 
     def note_explicit(self, req: RequestInfo, rank: int, now: float) -> Assignment:
         return self._assign(req, rank, "explicit")

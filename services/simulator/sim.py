@@ -273,7 +273,7 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
         elif kind == SNAP:
             for k, p in enumerate(pols):
                 p.on_snapshot(a)
-                if batching:     # a fresher view may release held work (the scheduler polls too)
+                if batching:     # a fresher view may release unplaced requests (the scheduler polls too)
                     for asg in p.poll(t):
                         send(asg, t, lat_a2r if n_disp > 1 else lat_s2r)
                     arm_poll(k)

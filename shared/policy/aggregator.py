@@ -25,7 +25,7 @@ when a step is *final* and what the published snapshot of it contains (DESIGN §
   Ranks passed to the constructor (or joining an empty cluster) are waited for from the
   start, bounded by the grace period.
 * ``min_interval_s`` rate-limits publication: a step finalized too soon after the last
-  publication is held; a newer one replaces it (``coalesced``); the held one is published
+  publication waits (``ready``); a newer one replaces it (``coalesced``); the ready one is published
   by :meth:`tick` at :meth:`next_deadline`.
 
 Pure: no I/O and no clock; every call takes ``now`` (seconds, any monotonic origin).
@@ -70,7 +70,7 @@ class StepAggregator:
         self._pending: dict[Key, _Pending] = {}
         self._oldest_first = float("inf")       # earliest `first` among pending steps
         self._final_key: Key | None = None
-        self._ready: Snapshot | None = None      # final, held back by min_interval_s
+        self._ready: Snapshot | None = None      # final, waiting out min_interval_s
         self._last_pub_t = float("-inf")
         # counters (shown by `lockstep status --json` and /metrics)
         self.reports = 0          # reports fed in
@@ -166,7 +166,7 @@ class StepAggregator:
             if now < self._oldest_first:
                 self._oldest_first = now
         p.reports[r] = stats
-        # fast path: nothing complete, nothing past its grace, nothing held back
+        # fast path: nothing complete, nothing past its grace, nothing ready
         if not complete and self._ready is None and now < self._oldest_first + self.grace_s:
             return None
         return self._advance(now)

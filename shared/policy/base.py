@@ -55,7 +55,7 @@ class DispatchPolicy(Protocol):
 
 @runtime_checkable
 class BatchingPolicy(Protocol):
-    """Held placement (staggered batches): requests are released in groups."""
+    """Placement that keeps requests unplaced a while (waterfill, staggered batches) and releases them later."""
 
     name: str
 
@@ -70,10 +70,10 @@ class BatchingPolicy(Protocol):
         """Release what is due at ``now`` (wait bound, timeouts)."""
 
     def next_deadline(self) -> float | None:
-        """When ``poll`` must next be called, or None when nothing is held."""
+        """When ``poll`` must next be called, or None when no request is unplaced."""
 
     def drop(self, request_id: str) -> bool:
-        """Forget a held request (its client aborted); True if it was held."""
+        """Forget an unplaced request (its client aborted); True if it was here."""
 
     def note_explicit(self, req: RequestInfo, rank: int, now: float) -> Assignment:
         """Record a request whose rank was fixed by the client (data_parallel_rank)."""

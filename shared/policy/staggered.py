@@ -1,10 +1,10 @@
-"""Staggered batches, scheduler side (policy ``staggered``): hold requests briefly and
+"""Staggered batches, scheduler side (policy ``staggered``): keep requests briefly and
 release them as one batch, placed so that no rank ends up more loaded than it must and
 tagged so the ranks start its prefill in the same step (the engine side: batch_gate.py).
 
 Pure: the caller passes ``now`` (one monotonic time base), calls :meth:`poll` at
 :meth:`next_deadline` and sends every returned Assignment to its rank's inbox. A request is
-never held past its window; nothing is dropped. Release rule, learned window, placement,
+never kept past its window; nothing is dropped. Release rule, learned window, placement,
 tags and bounds, with their figures: docs/architecture.md, "Staggered batcher".
 """
 
@@ -29,19 +29,19 @@ REASONS = ("full", "timeout", "wait_bound")
 
 
 class BatcherFull(RuntimeError):
-    """The held queue is at ``max_held`` (only possible while no rank is live)."""
+    """The unplaced queue is at ``max_unplaced`` (only possible while no rank is live)."""
 
 
 @dataclass(slots=True)
-class _Held:
+class _Unplaced:
     req: RequestInfo
     t: float          # now at submit
     deadline: float   # t + window (seconds)
-    capped: bool      # window clipped by hard_max_wait_ms
+    clipped: bool     # window clipped by hard_max_wait_ms
 
 
 class StaggeredBatcher:
-    """Hold requests and release them in staggered batches (see the module docstring)."""
+    """Keep requests unplaced and release them in staggered batches (see the module docstring)."""
 
     name = "staggered"
 
@@ -57,7 +57,7 @@ class StaggeredBatcher:
         min_batch_per_rank: int = 1,
         block_size: int = 16,
         adaptive: bool = True,
-        max_held: int = 65536,
+        max_unplaced: int = 65536,
         max_pending: int = 65536,
         search_nodes: int = 4000,
     ) -> None:
@@ -67,8 +67,8 @@ class StaggeredBatcher:
             raise ValueError("min_batch_per_rank must be >= 1")
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
-        if max_held < 1 or max_pending < 1:
-            raise ValueError("max_held and max_pending must be >= 1")
+        if max_unplaced < 1 or max_pending < 1:
+            raise ValueError("max_unplaced and max_pending must be >= 1")
         self.dispatcher_id = dispatcher_id
         self.num_api_servers = max(1, int(num_api_servers))
         self.client_mode = client_mode
@@ -77,12 +77,12 @@ class StaggeredBatcher:
         self.min_batch_per_rank = int(min_batch_per_rank)
         self.block_size = int(block_size)
         self.adaptive = adaptive
-        self.max_held = int(max_held)
+        self.max_unplaced = int(max_unplaced)
         self.max_pending = int(max_pending)
         self.search_nodes = int(search_nodes)
 
         self._ranks: list[int] = []
-        self._held: deque[_Held] = deque()
+        self._unplaced: deque[_Unplaced] = deque()   # requests waiting here for their batch
         self._min_deadline: float | None = None
         # per rank id
         self._unseen: dict[int, UnseenSends] = {}   # amount: cost, blocks: prompt blocks
@@ -96,10 +96,10 @@ class StaggeredBatcher:
 
         # counters (read by metrics / status)
         self.step_ms: float | None = None      # learned lockstep step time
-        self.window_ms: float = self._base_ms()  # window given to the latest held request
+        self.window_ms: float = self._base_ms()  # window given to the latest request
         self.batches_released = 0
         self.batches_by_reason: dict[str, int] = {r: 0 for r in REASONS}
-        self.requests_released = 0             # held requests released in batches
+        self.requests_released = 0             # requests released in batches
         self.explicit = 0                      # note_explicit calls
         self.hold_ms_last = 0.0
         self.hold_ms_max = 0.0
@@ -113,8 +113,8 @@ class StaggeredBatcher:
 
     # ------------------------------------------------------------------ views
     @property
-    def held(self) -> int:
-        return len(self._held)
+    def unplaced(self) -> int:
+        return len(self._unplaced)
 
     @property
     def hold_ms_mean(self) -> float:
@@ -132,7 +132,7 @@ class StaggeredBatcher:
         """Counters for /metrics and ``lockstep status``."""
         return {
             "policy": self.name,
-            "held": self.held,
+            "unplaced": self.unplaced,
             "window_ms": self.window_ms,
             "step_ms": self.step_ms,
             "arrival_gap_ms": self.arrival_gap_ms,
@@ -195,18 +195,18 @@ class StaggeredBatcher:
                 u.reconcile(s.recv.get(self.dispatcher_id, 0))
 
     def submit(self, req: RequestInfo, now: float) -> list[Assignment]:
-        if len(self._held) >= self.max_held:
-            raise BatcherFull(f"{len(self._held)} requests held and no rank to release to")
+        if len(self._unplaced) >= self.max_unplaced:
+            raise BatcherFull(f"{len(self._unplaced)} requests unplaced and no rank to release to")
         if self._last_arrival is not None:
             gap = req.arrival - self._last_arrival
             self._gaps.append(min(max(gap, 0.0), MAX_GAP_S))
         self._last_arrival = req.arrival if self._last_arrival is None else max(
             self._last_arrival, req.arrival)
-        raw = self._window_raw_ms(len(self._held) + 1)
+        raw = self._window_raw_ms(len(self._unplaced) + 1)
         w = min(raw, self.hard_max_wait_ms)
         self.window_ms = w
-        h = _Held(req, now, now + w / 1000.0, raw > self.hard_max_wait_ms)
-        self._held.append(h)
+        h = _Unplaced(req, now, now + w / 1000.0, raw > self.hard_max_wait_ms)
+        self._unplaced.append(h)
         if self._min_deadline is None or h.deadline < self._min_deadline:
             self._min_deadline = h.deadline
         return self._release_due(now)
@@ -215,20 +215,20 @@ class StaggeredBatcher:
         return self._release_due(now)
 
     def next_deadline(self) -> float | None:
-        """Earliest time a held request is due; a past time when a batch is already full;
-        None when nothing is held or no rank is live (poll after :meth:`set_ranks`)."""
-        if not self._held or not self._ranks:
+        """Earliest time an unplaced request is due; a past time when a batch is already
+        full; None when none waits or no rank is live (poll after :meth:`set_ranks`)."""
+        if not self._unplaced or not self._ranks:
             return None
-        if len(self._held) >= self._full_size():
-            return self._held[0].t
+        if len(self._unplaced) >= self._full_size():
+            return self._unplaced[0].t
         return self._min_deadline
 
     def drop(self, request_id: str) -> bool:
-        """Forget a held request (its client went away); True if it was held."""
-        for h in self._held:
+        """Forget an unplaced request (its client went away); True if it was here."""
+        for h in self._unplaced:
             if h.req.id == request_id:
-                self._held.remove(h)
-                self._min_deadline = min((x.deadline for x in self._held), default=None)
+                self._unplaced.remove(h)
+                self._min_deadline = min((x.deadline for x in self._unplaced), default=None)
                 return True
         return False
 
@@ -248,42 +248,42 @@ class StaggeredBatcher:
             base = DEFAULT_WINDOW_MS
         return base
 
-    def _window_raw_ms(self, held_after: int) -> float:
-        """Window for a request arriving now with ``held_after`` requests held (itself
-        included), before the hard cap."""
+    def _window_raw_ms(self, unplaced_after: int) -> float:
+        """Window for a request arriving now with ``unplaced_after`` requests unplaced
+        (itself included), before the hard cap."""
         base = self._base_ms()
         if not self.adaptive or not self._gaps:
             return base
-        missing = max(0, self._full_size() - held_after)
+        missing = max(0, self._full_size() - unplaced_after)
         fill_ms = missing * statistics.median(self._gaps) * 1000.0
         if fill_ms <= min(base, self.hard_max_wait_ms):
             return base
-        capped = min(base, self.hard_max_wait_ms)
-        w = capped * capped / fill_ms
+        clipped = min(base, self.hard_max_wait_ms)
+        w = clipped * clipped / fill_ms
         return 0.0 if w < MIN_HOLD_MS else w
 
     # --------------------------------------------------------------- release
     def _full_size(self) -> int:
-        return max(1, min(len(self._ranks) * self.min_batch_per_rank, self.max_held))
+        return max(1, min(len(self._ranks) * self.min_batch_per_rank, self.max_unplaced))
 
     def _release_due(self, now: float) -> list[Assignment]:
-        if not self._held or not self._ranks:
+        if not self._unplaced or not self._ranks:
             return []
-        if len(self._held) >= self._full_size():
+        if len(self._unplaced) >= self._full_size():
             reason = "full"
         elif self._min_deadline is not None and now >= self._min_deadline:
-            due = min(self._held, key=lambda h: h.deadline)
-            reason = "wait_bound" if due.capped else "timeout"
+            due = min(self._unplaced, key=lambda h: h.deadline)
+            reason = "wait_bound" if due.clipped else "timeout"
         else:
             return []
-        held = list(self._held)
-        self._held.clear()
+        batch = list(self._unplaced)
+        self._unplaced.clear()
         self._min_deadline = None
-        return self._release(held, reason, now)
+        return self._release(batch, reason, now)
 
-    def _release(self, held: list[_Held], reason: str, now: float) -> list[Assignment]:
+    def _release(self, batch: list[_Unplaced], reason: str, now: float) -> list[Assignment]:
         ranks = self._ranks
-        reqs = [h.req for h in held]
+        reqs = [h.req for h in batch]
         where = self._place(reqs, ranks)
         self._batch_n += 1
         self._rot += 1
@@ -293,7 +293,7 @@ class StaggeredBatcher:
             counts[r] += 1
         ct = tuple(counts)
         out = []
-        for h, r in zip(held, where):
+        for h, r in zip(batch, where):
             free = self.free_blocks(r)
             if free is not None and free < self.blocks(h.req):
                 self.kv_overflow += 1
@@ -304,7 +304,7 @@ class StaggeredBatcher:
             self.hold_ms_last = hold
             self.hold_ms_max = max(self.hold_ms_max, hold)
             self._hold_ms_sum += hold
-        self.requests_released += len(held)
+        self.requests_released += len(batch)
         self.batches_released += 1
         self.batches_by_reason[reason] += 1
         return out

@@ -4,9 +4,9 @@ Near and above capacity, what a DP+EP group computes is mostly prefill, and a st
 prefill is balanced only when every rank has prefill to do in it. So a request is bound to
 a rank as late as possible: when some rank's pending prefill (prompt tokens queued or
 mid-prefill there, from the step-consistent snapshot, plus this dispatcher's sends the
-snapshot does not show yet) is below ``level_tokens``, the oldest held request goes to the
+snapshot does not show yet) is below ``level_tokens``, the oldest unplaced request goes to the
 rank with the least pending prefill (water-filling); while every rank is above the level,
-requests wait here, in arrival order, and each rank pulls more as it drains. With headroom
+requests wait here unplaced, in arrival order, and each rank pulls more as it drains. With headroom
 nothing waits: every rank is below the level, so a request is placed at once, on the least
 loaded rank (TTFT first). The engines then cap each step at a budget most ranks can fill
 (``BudgetConfig.min_balance``, services/engine_worker/step_budget.py).
@@ -16,8 +16,8 @@ still have a full step's prefill queued when the next snapshot and dispatch land
 plus two Redis hops later), or it idles through a step of prefill; more than that only
 moves the queue from here, where any rank can take it, to one rank's inbox.
 
-Bounds: a held request is released after ``max_hold_s`` whatever the view says (a stale or
-missing snapshot cannot strand it); the held queue is at most ``max_held`` (then
+Bounds: an unplaced request is released after ``max_hold_s`` whatever the view says (a stale
+or missing snapshot cannot strand it); the unplaced queue is at most ``max_unplaced`` (then
 :class:`BatcherFull`: the caller leaves the request on its stream). Pure: no I/O, no clock.
 """
 
@@ -35,15 +35,15 @@ from shared.stats import Snapshot
 class WaterFill(_LocalViewPolicy):
     name = "waterfill"
 
-    def __init__(self, *, level_tokens: int = 4096, max_hold_s: float = 5.0, max_held: int = 65536,
+    def __init__(self, *, level_tokens: int = 4096, max_hold_s: float = 5.0, max_unplaced: int = 65536,
                  **kw: Any) -> None:
         kw.pop("block_size", None)
         super().__init__(**kw)
-        if level_tokens < 1 or max_hold_s < 0 or max_held < 1:
-            raise ValueError("level_tokens and max_held must be >= 1, max_hold_s >= 0")
+        if level_tokens < 1 or max_hold_s < 0 or max_unplaced < 1:
+            raise ValueError("level_tokens and max_unplaced must be >= 1, max_hold_s >= 0")
         self.level = float(level_tokens)
         self.max_hold_s = max_hold_s
-        self.max_held = max_held
+        self.max_unplaced = max_unplaced
         self._queue: deque[tuple[RequestInfo, float]] = deque()
         self.released = 0
         self.released_by_bound = 0
@@ -58,8 +58,8 @@ class WaterFill(_LocalViewPolicy):
 
     # ---------------------------------------------------------------- batching protocol
     def submit(self, req: RequestInfo, now: float) -> list[Assignment]:
-        if len(self._queue) >= self.max_held:
-            raise BatcherFull(f"waterfill: {len(self._queue)} requests held (max_held)")
+        if len(self._queue) >= self.max_unplaced:
+            raise BatcherFull(f"waterfill: {len(self._queue)} requests unplaced (max_unplaced)")
         self._queue.append((req, now))
         return self._drain(now)
 
@@ -80,11 +80,11 @@ class WaterFill(_LocalViewPolicy):
         return False
 
     @property
-    def held(self) -> int:
+    def unplaced(self) -> int:
         return len(self._queue)
 
     def stats(self) -> dict[str, Any]:
-        return {"held": len(self._queue), "released": self.released,
+        return {"unplaced": len(self._queue), "released": self.released,
                 "released_by_bound": self.released_by_bound,
                 "hold_ms_mean": self.hold_s_total / self.released * 1000.0 if self.released else None,
                 "level_tokens": self.level, **self.counters()}
