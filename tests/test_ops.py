@@ -211,7 +211,8 @@ def test_watch_once_renders_a_frame(cluster, client):
     res = cluster.cli("watch", "--once", "--window", "30")
     assert res.returncode == 0, res.stderr
     flat = " ".join(res.stdout.split())
-    for needle in ("balance ratio", "idle-forward fraction", "step rate", "TTFT ms p50", "queues", "tok/step"):
+    for needle in ("balance ratio", "idle-forward fraction", "step rate", "TTFT ms p50", "queues", "tok/step",
+                   "unplaced in the scheduler 0"):
         assert needle in flat, (needle, res.stdout)
     frame = cli_json(cluster, "watch", "--window", "30")
     m = frame["measures"]

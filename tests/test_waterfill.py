@@ -178,3 +178,16 @@ def test_min_delay_lets_a_lone_prefill_wait_for_company_but_not_past_its_deadlin
         done += _step(ranks, now)[0]
     assert now <= 0.200 + 0.010
 
+
+def test_the_scheduler_status_counts_the_requests_waterfill_keeps_unplaced():
+    # `lockstep watch` reads policy_unplaced from the scheduler's status: under the default
+    # policy it read only the placement counters, so it showed 0 however many waited.
+    from services.scheduler.leadership import _agg_counters
+    from services.scheduler.state import SchedulerState
+    from shared.policy.aggregator import StepAggregator
+
+    p = make_policy("waterfill", ranks=[0, 1], level_tokens=100)
+    p.on_snapshot(_snap([5000, 6000]))
+    assert p.submit(_req(1), 0.0) == [] and p.submit(_req(2), 0.0) == []
+    counters = _agg_counters(SchedulerState(ranks=[0, 1], policy=p, agg=StepAggregator([0, 1])))
+    assert counters["policy_unplaced"] == 2

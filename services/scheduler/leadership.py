@@ -85,6 +85,7 @@ class Leadership:
 
 def _agg_counters(st: SchedulerState) -> dict[str, int]:
     out = {f"agg_{k}": v for k, v in st.agg.counters().items()}
-    policy_counters = getattr(st.policy, "counters", None) or getattr(st.policy, "stats")
+    # stats() first: a batching policy's include its unplaced requests (`lockstep watch`)
+    policy_counters = getattr(st.policy, "stats", None) or getattr(st.policy, "counters")
     out.update({f"policy_{k}": v for k, v in policy_counters().items()})
     return out

@@ -43,7 +43,7 @@ class _StateCollector:
     def _read(self) -> dict[str, Any]:
         svc = self.service
         try:
-            policy_fn = getattr(svc.policy, "counters", None) or getattr(svc.policy, "stats", None)
+            policy_fn = getattr(svc.policy, "stats", None) or getattr(svc.policy, "counters", None)
             policy = policy_fn() if policy_fn else {}
             snap = svc.last_snapshot
             self._last = {
