@@ -44,7 +44,7 @@ def test_a_prefill_nobody_shares_is_paced_over_its_short_wait_and_output_is_exac
                     if json.loads(f[b"d"])["rank"] == 0]
         # Rank 1 has no prefill pending: the long prompt waits at most align_min_delay_ms
         # (200 ms) for company, paced over the steps of that wait (a prefill arriving on
-        # rank 1 meanwhile would share them), not held for a balanced step that never comes.
+        # rank 1 meanwhile would share them), not capped for a balanced step that never comes.
         assert sum(prefills) >= 1500
         assert max(prefills) < 1500, prefills
     finally:

@@ -260,14 +260,14 @@ def test_min_tokens_defers_stop_strings(client):
                   extra_body={"ignore_eos": True})
         if stream:
             plain = "".join(x.choices[0].text for x in client.completions.create(stream=True, **kw) if x.choices)
-            held = "".join(x.choices[0].text for x in client.completions.create(
+            later = "".join(x.choices[0].text for x in client.completions.create(
                 stream=True, **{**kw, "extra_body": {"ignore_eos": True, "min_tokens": m}}) if x.choices)
         else:
             plain = client.completions.create(**kw).choices[0].text
-            held = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "min_tokens": m}}
+            later = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "min_tokens": m}}
                                              ).choices[0].text
         assert plain.encode() == raw[:first]
-        assert held.encode() == raw[:j]
+        assert later.encode() == raw[:j]
 
 
 def test_many_and_long_stop_strings_are_served():

@@ -125,7 +125,7 @@ def test_waiting_counts_the_requests_the_scheduler_has_not_placed(sim_cluster):
 
 
 async def test_unplaced_is_the_groups_pending_and_lag(redis_url, namespace):
-    """Entries read and not acked (held) and entries not read yet both count; acked ones
+    """Entries read and not acked (unplaced) and entries not read yet both count; acked ones
     (placed) do not; no stream yet is 0."""
     r = connect(redis_url)
     keys = K.Keys(namespace)

@@ -51,7 +51,7 @@ def step_measures(rows: list[dict[str, Any]], num_ranks: int, t_from: float, t_t
 
 
 def no_stats_message(namespace: str, redis_url: str | None, rows_read: int) -> str:
-    """What to tell the user when the run window held no step stats, and what to check."""
+    """What to tell the user when the run window had no step stats, and what to check."""
     from shared import keys as K
     from shared.bus import redact_url
 
@@ -68,7 +68,7 @@ def no_stats_message(namespace: str, redis_url: str | None, rows_read: int) -> s
 def engine_report(rows: list[dict[str, Any]], num_ranks: int, t_from: float, t_to: float,
                   namespace: str, redis_url: str | None) -> dict[str, Any]:
     """The engine-side part of the report: :func:`step_measures` of the run window, plus
-    ``"error"`` (see :func:`no_stats_message`) when the window held no step stats."""
+    ``"error"`` (see :func:`no_stats_message`) when the window had no step stats."""
     sm = step_measures(rows, num_ranks, t_from, t_to)
     if sm["steps"] == 0:
         sm["error"] = no_stats_message(namespace, redis_url, len(rows))

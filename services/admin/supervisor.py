@@ -97,8 +97,8 @@ class Supervisor:
         if engine and self.spares > 0:
             self.children.remove(c)
             self._spawn_spare()
-            held = f"a hot spare takes rank {rank}; " if rank is not None else ""
-            self.out(f"lockstep: {c.role} {how}; {held}started "
+            spare = f"a hot spare takes rank {rank}; " if rank is not None else ""
+            self.out(f"lockstep: {c.role} {how}; {spare}started "
                      f"{self.children[-1].role} in its place. Log: {c.log}")
             self.children[-1].restarts = c.restarts
             return True
