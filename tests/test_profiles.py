@@ -60,6 +60,24 @@ def test_blog_calibration_reports_every_figure():
     assert doc["rows"]["baseline"]["speedup"] == pytest.approx(1.0)
     assert "round_robin" in doc["extra"]
     assert "| full_strategy |" in calibrate.table(doc)
+    base = doc["rows"]["baseline"]
+    assert base["sol_gain"] >= 0 and 0 < base["balance_time"] <= 1
+    assert base["balance_time"] == pytest.approx(1 / (1 + base["sol_gain"]))
+    assert base["blog_sol_gain"] == pytest.approx(0.5411, abs=5e-5)  # what the blog prints
+    assert base["balance_match"]["measure"] == "sol_gain"
+    assert doc["rows"]["full_strategy"]["balance_match"]["measure"] == "balance_blog"
+    assert "| baseline | 54.11% | sol_gain |" in calibrate.detail_table(doc)
+
+
+def test_blog_window_figures_are_null_before_the_window():
+    import numpy as np
+
+    assert calibrate.window(100) is None and calibrate.window(0) is None
+    assert calibrate.window(150) == slice(100, 150)
+    assert calibrate.window(20000) == slice(*calibrate.WINDOW)
+    assert calibrate.sol_gain(np.zeros(0), np.zeros(0)) is None
+    # two equal steps, one balanced and one at half: elapsed / (1 + 0.5) - 1
+    assert calibrate.sol_gain(np.ones(2), np.array([1.0, 0.5])) == pytest.approx(1 / 3)
 
 
 def test_the_cost_models_documented_figures_are_its_constants():
