@@ -4,6 +4,7 @@ The calibration's closeness to the blog is reported (docs/calibration.md), never
 a small trace is not the blog's 16,000 requests."""
 
 import json
+import math
 
 import pytest
 
@@ -92,3 +93,17 @@ def test_the_cost_models_documented_figures_are_its_constants():
         assert round(cost.step_ms(2048, 2048)) == 131
     assert "~16 ms" in cm.__doc__ and "~131 ms" in cm.__doc__
     assert "~16 ms" in profile.load("default").source and "~131 ms" in profile.load("default").source
+
+
+def test_blog_trace_keeps_the_blogs_means_under_its_caps():
+    from services.simulator import workload
+
+    tr = workload.generate("blog", 20000, 1.0, 0, 1, max_model_len=32768)
+    assert tr.prompt.max() <= workload.BLOG_PROMPT_MAX and tr.output.max() <= workload.BLOG_OUTPUT_MAX
+    assert tr.prompt.mean() == pytest.approx(803.1, rel=0.02)
+    assert tr.output.mean() == pytest.approx(3653.8, rel=0.03)
+    # the capped mean is exact in expectation; the median grows as the cap tightens
+    assert workload._capped_median(3653.8, 0.9, 1e9) == pytest.approx(3653.8 / math.exp(0.405), rel=1e-6)
+    assert workload._capped_median(3653.8, 0.9, 20000) > workload._capped_median(3653.8, 0.9, 1e9)
+    with pytest.raises(ValueError):
+        workload._capped_median(3653.8, 0.9, 3000)

@@ -19,7 +19,9 @@ All generators are deterministic functions of ``seed``.
   over the trace), prompts log-uniform 64-8,192 tokens, outputs log-normal (median 128).
 * ``offline``: every request at t=0, lengths as ``poisson``.
 * ``blog``: the TensorRT-LLM ADP Balance blog's offline set, every request at t=0: input
-  mean ~803, output mean ~3,653 with a long tail (log-normal, sigma 0.6 / 0.9).
+  mean 803, output mean 3,653 with a long tail (log-normal, sigma 0.6 / 0.9, capped at
+  ``BLOG_PROMPT_MAX`` / ``BLOG_OUTPUT_MAX``; the medians are solved so that the capped
+  means stay the blog's).
 
 What a policy may know: every request carries the client's ``max_tokens`` (the cap),
 never its true output length. Generated traces use ``max_model_len - prompt`` as the cap
@@ -31,6 +33,7 @@ and ``output <= max_tokens``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +47,12 @@ BURST_PERIOD_S = 4.0
 BURST_ON_FRACTION = 0.25
 BURST_FACTOR = 3.0
 PARETO_ALPHA = 1.3
+# blog: the experiment ran with context chunking off and max_num_tokens 4608 (the blog's
+# draft, bloc_x_adp-scheduler-opt.md), so no prompt is longer; its baseline ended at
+# iteration 30,235 with contexts ending near 12,000, so no late request generates more than
+# ~18-20k tokens: the output cap is fitted to that iteration count (docs/calibration.md)
+BLOG_PROMPT_MAX = 4608
+BLOG_OUTPUT_MAX = 20000
 
 
 @dataclass(slots=True)
@@ -80,6 +89,27 @@ class Trace:
 
 def _lengths(rng: np.random.Generator, n: int, median: float, sigma: float) -> np.ndarray:
     return np.maximum(1, np.rint(rng.lognormal(np.log(median), sigma, n))).astype(np.int64)
+
+
+def _capped_median(mean: float, sigma: float, cap: float) -> float:
+    """The median of a log-normal (``sigma``) whose values clipped at ``cap`` average
+    ``mean``: E[min(X, C)] = e^(mu + s^2/2) Phi((ln C - mu - s^2)/s) + C (1 - Phi((ln C - mu)/s)),
+    solved for mu by bisection (it grows with mu)."""
+    def phi(z: float) -> float:
+        return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+    def capped_mean(mu: float) -> float:
+        lc = math.log(cap)
+        return (math.exp(mu + sigma ** 2 / 2) * phi((lc - mu - sigma ** 2) / sigma)
+                + cap * (1.0 - phi((lc - mu) / sigma)))
+
+    lo, hi = math.log(mean) - 10 * sigma, math.log(cap)
+    if capped_mean(hi) < mean:
+        raise ValueError(f"no log-normal capped at {cap} has mean {mean}")
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if capped_mean(mid) < mean else (lo, mid)
+    return math.exp((lo + hi) / 2)
 
 
 def _pareto(rng: np.random.Generator, n: int, scale: float) -> np.ndarray:
@@ -181,9 +211,11 @@ def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
         prompt = np.rint(np.exp(rng.uniform(np.log(64), np.log(8192), n))).astype(np.int64)
         output = _lengths(rng, n, OUTPUT_MEDIAN, OUTPUT_SIGMA)
     elif kind == "blog":
-        # log-normal with the blog's means: mean = median * exp(sigma^2 / 2)
-        prompt = _lengths(rng, n, 803 / np.exp(0.6 ** 2 / 2), 0.6)
-        output = _lengths(rng, n, 3653 / np.exp(0.9 ** 2 / 2), 0.9)
+        # log-normal, capped, with the blog's means (803.1 / 3,653.8)
+        prompt = np.minimum(_lengths(rng, n, _capped_median(803.1, 0.6, BLOG_PROMPT_MAX), 0.6),
+                            BLOG_PROMPT_MAX)
+        output = np.minimum(_lengths(rng, n, _capped_median(3653.8, 0.9, BLOG_OUTPUT_MAX), 0.9),
+                            BLOG_OUTPUT_MAX)
     else:
         prompt = _lengths(rng, n, PROMPT_MEDIAN, PROMPT_SIGMA)
         output = _lengths(rng, n, OUTPUT_MEDIAN, OUTPUT_SIGMA)
