@@ -201,6 +201,10 @@ class EngineSettings(Settings):
     align_max_delay_ms: float = Field(3000.0, description="Coordinated prefill: the longest a prefill waits for a balanced step, scaled by the prefill pending on the other ranks (in units of align_backlog_steps full steps, capped at 1).")
     align_min_delay_ms: float = Field(200.0, description="Coordinated prefill: a prefill may wait this long for others to share its step even with nothing pending elsewhere (0 = start at once; docs/benchmarks.md).")
     align_backlog_steps: float = Field(0.5, description="Coordinated prefill: the group is backlogged when its pending prefill fills this many full steps; then only balance and align_max_capped_steps start prefills (docs/benchmarks.md).")
+    align_busy_level: float = Field(0.15, description="Coordinated prefill: the group is busy when its pending prefill, averaged over align_busy_window_s, fills this many full steps; busy, it runs throughput-first with align_busy_backlog_steps and align_busy_capped_steps (0 = never busy; docs/benchmarks.md).")
+    align_busy_window_s: float = Field(2.0, description="Coordinated prefill: the averaging time of the busy measure (align_busy_level).")
+    align_busy_backlog_steps: float = Field(0.25, description="Coordinated prefill, busy group: align_backlog_steps in force while busy (a prefill waits longer for company).")
+    align_busy_capped_steps: int = Field(64, description="Coordinated prefill, busy group: align_max_capped_steps in force while busy.")
     gate_timeout_ms: float = Field(100.0, description="Staggered batches: rank 0 releases a batch whose shares did not all arrive within this.")
     metrics_port: int = Field(0, description="Serve Prometheus metrics (lockstep_engine_*) on this port (a spare: this port + the rank it takes); 0 = off.")
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 from services.engine_worker.batch_gate import BatchGate, batch_number
+from services.engine_worker.busy_meter import BusyMeter
 from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
-from services.engine_worker.step_view import (F_ALIGN, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST, F_QUEUED,
-                                             F_RELEASE, F_TOKENS, Action, StepView)
+from services.engine_worker.step_view import (F_ALIGN, F_BUSY, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST,
+                                             F_QUEUED, F_RELEASE, F_TOKENS, Action, StepView)
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, must_tokens,
                                                 shared_budget, trim_plan)
@@ -39,6 +40,7 @@ class RankStep:
         self.last_step_ms = 0.0                   # measured duration of the last step (deadline planning)
         self.capped_steps = 0                     # consecutive steps the budget capped this rank's prefill
         self.backlog = 0.0                        # prefill pending on the other ranks, in full steps (last view)
+        self.meter = BusyMeter(budget.busy_level, budget.busy_tau_s) if budget is not None else None
 
     def note_step(self, dur_ms: float) -> None:
         """The step that just ran took ``dur_ms`` (deadlines plan with it)."""
@@ -68,9 +70,11 @@ class RankStep:
         must = queued = 0
         if self.budget is not None:
             must, queued = self.prefill_need(plan, now_s)
-        forced = int(self.budget is not None and 0 < self.budget.max_capped_steps <= self.capped_steps)
+        forced = int(self.budget is not None and 0 < self._capped_limit() <= self.capped_steps)
+        busy = int(self.meter is not None and self.meter.busy)
         row = [int(core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
-               release, int(stopping), plan.decode_tokens, must, int(self.budget is not None), queued, forced]
+               release, int(stopping), plan.decode_tokens, must, int(self.budget is not None), queued, forced,
+               busy]
         return plan, row
 
     def prefill_need(self, plan: StepPlan, now_s: float) -> tuple[int, int]:
@@ -93,7 +97,7 @@ class RankStep:
         cfg = self.budget
         # a prefill may wait for company min_delay_ms, longer in proportion to the prefill
         # pending on the other ranks (what it could share a balanced step with)
-        delay = (max(cfg.min_delay_ms, cfg.max_delay_ms * min(1.0, self.backlog / cfg.backlog_steps))
+        delay = (max(cfg.min_delay_ms, cfg.max_delay_ms * min(1.0, self.backlog / self._backlog_steps()))
                  if cfg.min_balance > 0 else None)
         return must_tokens(plan.decode_tokens, pending, now_ms, self.last_step_ms, cfg, delay), queued
 
@@ -110,7 +114,9 @@ class RankStep:
             # the prefill pending on the OTHER ranks, in full steps: what a capped prefill could
             # share a balanced step with (waiting for nobody is futile)
             q = view.column(F_QUEUED)
-            self.backlog = (_queued(view) - q[self.rank]) / (len(q) * self.budget.max_tokens)
+            full = len(q) * self.budget.max_tokens
+            self.backlog = (_queued(view) - q[self.rank]) / full
+            self.meter.observe(_queued(view) / full, now_s)
             planned = plan.num_tokens
             trim_plan(plan, allowed(plan.decode_tokens, plan.num_tokens, T))
             self.capped_steps = self.capped_steps + 1 if plan.num_tokens < planned else 0
@@ -128,6 +134,17 @@ class RankStep:
             gate.forget_done({batch_number(q.batch) for q in self.core.waiting if q.held})
         return view.action(self.rank), released
 
+    # This rank's own choices (its deadlines, its capped-steps bound) follow its own meter;
+    # the shared budget follows rank 0's, read from the rows, so that every rank computes
+    # the same T (a rank that joined later has a shorter history).
+    def _capped_limit(self) -> int:
+        cfg = self.budget
+        return cfg.busy_capped_steps if self.meter.busy else cfg.max_capped_steps
+
+    def _backlog_steps(self, busy: bool | None = None) -> float:
+        cfg = self.budget
+        return cfg.busy_backlog_steps if (self.meter.busy if busy is None else busy) else cfg.backlog_steps
+
     def _budget(self, view: StepView) -> int:
         """This step's shared token budget (the same on every rank: a function of the rows)."""
         cfg = self.budget
@@ -138,7 +155,8 @@ class RankStep:
             for t, f in zip(tokens, view.column(F_FORCED)):
                 if f:
                     T = max(T, int(t))
-            if _queued(view) / (len(decode) * cfg.max_tokens) < cfg.backlog_steps:      # headroom: TTFT first, prefill deadlines hold
+            headroom = self._backlog_steps(bool(view.rows[0][F_BUSY]))
+            if _queued(view) / (len(decode) * cfg.max_tokens) < headroom:   # TTFT first: prefill deadlines hold
                 for t, m in zip(tokens, must):
                     T = max(T, min(int(t), int(m)))
         else:

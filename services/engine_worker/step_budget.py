@@ -30,6 +30,12 @@ class BudgetConfig:
     backlog_steps: float = 1.0      # a backlog: the group's pending prefill fills this many full steps
     max_capped_steps: int = 0       # >0: a rank whose prefill was capped this many steps in a row runs it
     min_delay_ms: float = 0.0       # with min_balance: a prefill may wait this long even with no backlog
+    # A busy group (its pending prefill averaged over busy_tau_s reaches busy_level full
+    # steps; 0 = never): throughput-first, with these in place of backlog_steps and max_capped_steps.
+    busy_level: float = 0.0
+    busy_tau_s: float = 2.0
+    busy_backlog_steps: float = 0.25
+    busy_capped_steps: int = 64
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -42,6 +48,8 @@ class BudgetConfig:
             raise ValueError("min_chunk and max_delay_ms must be >= 0")
         if not 0.0 <= self.min_balance < 1.0:
             raise ValueError("min_balance must be in [0, 1)")
+        if self.busy_level < 0 or self.busy_tau_s <= 0 or self.busy_backlog_steps <= 0 or self.busy_capped_steps < 0:
+            raise ValueError("busy_level and busy_capped_steps must be >= 0, busy_tau_s and busy_backlog_steps > 0")
 
 
 def from_settings(settings: Any) -> BudgetConfig | None:
@@ -53,6 +61,9 @@ def from_settings(settings: Any) -> BudgetConfig | None:
     return BudgetConfig(max_tokens=settings.max_num_batched_tokens, max_delay_ms=settings.align_max_delay_ms,
                         min_delay_ms=settings.align_min_delay_ms, backlog_steps=settings.align_backlog_steps,
                         min_balance=settings.align_min_balance, max_capped_steps=settings.align_max_capped_steps,
+                        busy_level=settings.align_busy_level, busy_tau_s=settings.align_busy_window_s,
+                        busy_backlog_steps=settings.align_busy_backlog_steps,
+                        busy_capped_steps=settings.align_busy_capped_steps,
                         step_ms=0.0)
 
 

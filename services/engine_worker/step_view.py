@@ -23,7 +23,8 @@ F_MUST = 8           # token alignment: tokens this rank's prefill deadlines nee
 F_ALIGN = 9          # token alignment enabled here (applied only when every rank has it)
 F_QUEUED = 10        # token alignment: prefill tokens pending on this rank (the group's backlog)
 F_FORCED = 11        # token alignment: this rank's prefill was capped max_capped_steps in a row: it runs
-FIELDS = 12
+F_BUSY = 12          # token alignment: the group looks busy to this rank (rank 0's verdict is applied)
+FIELDS = 13
 
 
 class Action(Enum):

@@ -29,10 +29,20 @@ NOT_GOALS = {"fastdeploy_staggered_pr"}     # a reconstruction of unmerged work:
 RANKS, API_SERVERS, REQUESTS, SEED = 16, 4, 2000, 1
 
 
-def _run(args: tuple[str, str | None, tuple[float, ...], int, int, int]) -> dict[str, Any]:
-    workload, dispatch, loads, ranks, api, requests = args
+def _run(args: tuple[str, str | None, tuple[float, ...], int, int, int, str]) -> dict[str, Any]:
+    workload, dispatch, loads, ranks, api, requests, policies = args
     return sweep.load_sweep(list(loads), ranks=ranks, api_servers=api, workload=workload,
-                            requests=requests, seed=SEED, policies=POLICIES, dispatch=dispatch)
+                            requests=requests, seed=SEED, policies=policies, dispatch=dispatch)
+
+
+def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``old`` sweep with the policies ``new`` ran replaced by ``new``'s results (same
+    workload, loads and seed: the other policies' code did not change, so their rows stand)."""
+    if [p["load"] for p in old["points"]] != [p["load"] for p in new["points"]]:
+        raise ValueError("the sweeps have different load points: regenerate everything")
+    for po, pn in zip(old["points"], new["points"]):
+        po["policies"].update(pn["policies"])
+    return old
 
 
 def cmd(doc: dict[str, Any]) -> str:
@@ -122,6 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--from-json", action="store_true",
                     help="re-render the page from docs/benchmarks.json (no simulation)")
+    ap.add_argument("--only", metavar="POLICIES",
+                    help="re-run only these policies (comma-separated, e.g. default after changing it) and "
+                         "merge them into docs/benchmarks.json; the other rows stay as they were")
     a = ap.parse_args(argv)
     if a.from_json:
         data = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
@@ -130,8 +143,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     ranks, api, req = (8, 2, 600) if a.quick else (RANKS, API_SERVERS, REQUESTS)
     loads = (0.5, 1.0, 1.5) if a.quick else LOADS
-    jobs = [(w, None, loads, ranks, api, req) for w in WORKLOADS]
-    jobs += [(w, d, CHECK_LOADS, ranks, api, req) for w in WORKLOADS for d in ("scheduler", "client")]
+    policies = a.only or POLICIES
+    jobs = [(w, None, loads, ranks, api, req, policies) for w in WORKLOADS]
+    jobs += [(w, d, CHECK_LOADS, ranks, api, req, policies) for w in WORKLOADS for d in ("scheduler", "client")]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as ex:
         results = list(ex.map(_run, jobs))
@@ -143,6 +157,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"## {w}\n{sweep_markdown(doc)}\n" + "\n".join(goal_lines(doc)) + "\n")
         print(check_markdown(both))
         return
+    if a.only:
+        data = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
+        own = {w: merge(data["own"][w], doc) for w, doc in own.items()}
+        both = {k: merge(data["uniform"][f"{k[0]}:{k[1]}"], doc) for k, doc in both.items()}
+        wall = data.get("wall_s", 0.0)
     (ROOT / "docs" / "benchmarks.json").write_text(json.dumps(
         {"own": own, "uniform": {f"{k[0]}:{k[1]}": v for k, v in both.items()}, "wall_s": wall}))
     write_page(own, both, wall)

@@ -1,0 +1,25 @@
+"""scripts/bench-table --only: re-run some policies and merge them into the last full run."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.simulator.bench_table import merge
+
+
+def _sweep(loads, rows):
+    return {"points": [{"load": x, "policies": {k: {"eff": v[i]} for k, v in rows.items()}}
+                       for i, x in enumerate(loads)]}
+
+
+def test_merge_replaces_the_rerun_policies_and_keeps_the_others():
+    old = _sweep([0.5, 1.0], {"default": [0.9, 0.8], "vllm": [0.7, 0.6]})
+    new = _sweep([0.5, 1.0], {"default": [0.95, 0.96]})
+    out = merge(old, new)
+    assert [p["policies"]["default"]["eff"] for p in out["points"]] == [0.95, 0.96]
+    assert [p["policies"]["vllm"]["eff"] for p in out["points"]] == [0.7, 0.6]
+
+
+def test_merge_refuses_different_load_points():
+    with pytest.raises(ValueError, match="different load points"):
+        merge(_sweep([0.5, 1.0], {"a": [1, 1]}), _sweep([0.5], {"a": [1]}))
