@@ -196,6 +196,21 @@ class Abort(Struct, tag="abort", tag_field="k"):
         return convert(d, cls)
 
 
+class Retire(Struct, tag="retire", tag_field="k"):
+    """Drop this rank's copy of request ``id`` if its epoch is ``epoch`` or older: its
+    api-server resumed it under a newer epoch (the rank was taken for dead while its
+    heartbeat lapsed) and ignores that copy's deltas. Written by the api-server straight
+    to the rank's inbox; no delta answers it. A newer copy stays."""
+
+    id: str
+    rank: int = field(name="r")
+    epoch: int = field(name="ep")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Retire":
+        return convert(d, cls)
+
+
 class Delta(Struct, omit_defaults=True):
     """New tokens of one request. ``pos`` is the index of the first token in ``tokens``
     among the request's generated tokens, so a reader drops anything it already has:

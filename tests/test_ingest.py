@@ -12,7 +12,7 @@ from services.engine_worker.engine_scheduler import EngineScheduler
 from services.engine_worker.ingest import ingest
 from services.engine_worker.rank_state import RankState
 from services.engine_worker.rank_step import RankStep
-from shared.messages import Request, SamplingParams, encode
+from shared.messages import Request, Retire, SamplingParams, encode
 
 
 class _Log:
@@ -69,3 +69,23 @@ def test_a_resumed_copy_replaces_the_stale_one_here():
     # And an older copy arriving after the new one (a re-read) is still dropped.
     ingest(st, [(b"1-0", _entry())], log)
     assert st.core.get("r1").epoch == 1 and st.acks[-1] == b"1-0"
+
+
+def _retire(epoch: int) -> dict:
+    return orjson.loads(encode(Retire("r1", 0, epoch)))
+
+
+def test_a_retire_drops_the_stale_copy_and_spares_a_newer_one():
+    """A rank back from a lapsed heartbeat still runs the copies its api-servers resumed
+    elsewhere; each api-server retires its copy (epoch 0 here) so that it stops taking
+    this rank's steps. The copy of a newer epoch is the live one: a retire never drops it."""
+    st, log = _state(), _Log()
+    ingest(st, [(b"1-0", _entry())], log)
+    _run_steps(st, 2)
+    ingest(st, [(b"2-0", _retire(0))], log)
+    assert st.core.get("r1") is None and "r1" not in st.entry_of
+    assert st.acks == [b"2-0", b"1-0"] and st.aborted == []     # acked, and no delta answers it
+    assert st.core.num_running == 0 and st.core.kv_used == 0
+    ingest(st, [(b"3-0", _entry(epoch=1, generated=[7]))], log)
+    ingest(st, [(b"4-0", _retire(0))], log)
+    assert st.core.get("r1").epoch == 1 and st.acks[-1] == b"4-0"

@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.bus import decode_entries
-from shared.messages import (FIELD, Abort, Delta, MessageError, Outputs, Request, Resume, SamplingParams, WaveNotice,
+from shared.messages import (FIELD, Abort, Delta, MessageError, Outputs, Request, Resume, Retire, SamplingParams,
+                             WaveNotice,
                              decode, dumps, encode, encode_deltas, loads, output_entry, request_owner)
 from shared.stats import RankStats, Snapshot
 
@@ -42,7 +43,7 @@ def test_every_kind_round_trips_through_its_wire_form():
         Abort("r1"), Abort("r1", 2, "timeout"),
         Delta("r1", 3, [1, 2]), Delta("r1", 3, [], "stop", 12, 1, None, 2, [[-0.5, [[1, -0.5]]]], [[-1.0, []]], 2),
         Outputs([Delta("a", 0, [1]), Delta("b", 4, [2], "length", 3, 0)]),
-        Resume(["r1", "r2"]),
+        Resume(["r1", "r2"]), Retire("r1", 3, 0),
         WaveNotice(3, 1), WaveNotice(-1, 2, 5),
         RankStats(3, 2, 1, waiting=1, recv={"api-x": 2}, extra={"comm_s": 0.5}),
         snap,

@@ -2,7 +2,8 @@
 swapped-out host, a Redis failover that outlasts the alive key's TTL) while its requests
 stream: the scheduler takes it for dead and resumes its requests, the api-server
 resubmits them, and with one rank they are placed back on the same rank, which still
-runs the old copies. Every stream must still complete with exactly its tokens."""
+runs the old copies. Every stream must still complete with exactly its tokens, and the
+old copies must not run on beside the new ones."""
 
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ def test_rank_back_from_a_stall_longer_than_its_heartbeat_loses_nothing(tmp_path
             worker.join(150)
         assert not worker.is_alive(), "the streams did not finish"
         check_streams(results, n, tokens, "st")
+        # The stale copies were retired on the rank (their api-server told it), not left
+        # to run on beside the resumed ones.
+        log = (tmp_path / "state" / "lstall" / "logs" / "engine-0.log").read_text()
+        assert "stale_copy_retired" in log
         # The same process serves on: it never lost its slot to anyone.
         assert status()["ranks"][0]["pid"] == pid
         assert cluster.proc.poll() is None

@@ -16,7 +16,7 @@ from typing import Any
 
 from shared import keys as K
 from shared.bus import decode_entries, same_data, server_run_id
-from shared.messages import FIELD, Abort, Delta, MessageError, Request, Resume, encode, output_entry
+from shared.messages import FIELD, Abort, Delta, MessageError, Request, Resume, Retire, encode, output_entry
 from shared.policy.base import RequestInfo
 from shared.stats import Snapshot
 from shared.wake import wake_if_paused
@@ -273,11 +273,16 @@ class Gateway:
 
     def _resume(self, ids: Any) -> None:
         """The scheduler found these requests on a dead rank: resubmit each with the tokens
-        the client already has; the new rank continues exactly where the stream stopped."""
+        the client already has; the new rank continues exactly where the stream stopped.
+        A rank taken for dead may only have stalled (its heartbeat lapsed): the rank that
+        streamed a request is told to retire its copy, which would otherwise run on, its
+        deltas ignored, until it ends."""
         for rid in ids:
             ch = self.channels.get(rid)
             if ch is None or ch.finish is not None or ch.req is None:
                 continue
+            if ch.rank >= 0:
+                self._enqueue(self.keys.inbox(ch.rank), encode(Retire(rid, ch.rank, ch.epoch)), None)
             ch.epoch += 1
             req = ch.req
             req.generated = list(ch.tokens)

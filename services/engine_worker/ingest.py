@@ -1,6 +1,7 @@
 """Admitting what the inbox brought at a step boundary: requests into the engine core
 (a second copy of one already here is dropped, a newer epoch of it replaces it), aborts
-of requests here; malformed entries acked and logged, never stopping the step loop."""
+of requests here, retirements of stale copies; malformed entries acked and logged, never
+stopping the step loop."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from services.engine_worker.rank_state import RankState
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.sim_backend import eos_from
-from shared.messages import Abort, MessageError, Request
+from shared.messages import Abort, MessageError, Request, Retire
 
 
 def ingest(state: RankState, fetched: list[tuple[bytes, dict[str, Any]]], log: Any) -> None:
@@ -45,6 +46,15 @@ def ingest(state: RankState, fetched: list[tuple[bytes, dict[str, Any]]], log: A
                 st.early.append(rejected)
             else:
                 st.rs.arrived(seq, time.monotonic())
+        elif kind == "retire":
+            try:
+                rt = Retire.from_dict(doc)
+            except MessageError as exc:
+                st.acks.append(eid)
+                log.error("bad_inbox_entry", entry=eid.decode(), error=str(exc))
+                continue
+            st.acks.append(eid)
+            retire(st, rt, log)
         elif kind == "abort":
             try:
                 ab = Abort.from_dict(doc)
@@ -77,3 +87,16 @@ def supersede(state: RankState, req: Request, eid: bytes, log: Any) -> bool:
     log.warning("request_superseded", request_id=req.id, epoch=req.epoch, old_epoch=here.epoch,
                 streamed=len(req.generated), had=len(here.generated))
     return True
+
+
+def retire(state: RankState, rt: Retire, log: Any) -> None:
+    """Drop a stale copy (epoch ``rt.epoch`` or older) of a request resumed elsewhere, so it
+    stops taking this rank's steps; silently: its api-server ignores that epoch."""
+    here = state.core.get(rt.id)
+    if here is None or here.epoch > rt.epoch:
+        return
+    state.core.abort(rt.id)
+    old = state.forget(rt.id)
+    if old is not None:
+        state.acks.append(old)   # (the scan that resumed it acked it already: a no-op then)
+    log.info("stale_copy_retired", request_id=rt.id, epoch=here.epoch, tokens=len(here.generated))

@@ -1,0 +1,68 @@
+"""The api-server's side of a resume, against real Redis: the request is resubmitted under
+a new epoch with the tokens already streamed, and the rank that streamed it is told to
+retire its copy (it may only have stalled; services/engine_worker/ingest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.api_server.gateway import Gateway
+from shared import keys as K
+from shared.bus import connect, decode_entries
+from shared.messages import FIELD, Delta, Request, Resume, SamplingParams, encode, encode_deltas
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+async def _wait_entries(r, stream: str, n: int, bound_s: float = 10.0) -> list:
+    deadline = time.monotonic() + bound_s
+    while True:
+        raw = await r.xrange(stream)
+        entries = decode_entries([(stream.encode(), raw)]) if raw else []
+        if len(entries) >= n:
+            return [doc for _, _, doc in entries]
+        assert time.monotonic() < deadline, f"{stream}: {len(entries)} entries, expected {n}"
+        await asyncio.sleep(0.02)
+
+
+async def _resume_flow(redis_url: str, namespace: str) -> None:
+    keys = K.Keys(namespace)
+    r, admin = connect(redis_url), connect(redis_url)
+    gw = Gateway(r, keys, "apitest")
+    await gw.start()
+    try:
+        ch = gw.submit(Request("q1", "apitest", [1, 2, 3], SamplingParams(max_tokens=8), time.time()))
+        ch2 = gw.submit(Request("q2", "apitest", [4, 5], SamplingParams(max_tokens=8), time.time()))
+        await _wait_entries(admin, keys.requests, 2)
+        out = keys.out("apitest")
+        # Rank 3 streams two tokens of q1; q2 has not started anywhere yet.
+        await admin.xadd(out, {FIELD: encode_deltas([Delta("q1", 0, [11, 12], rank=3)])})
+        await asyncio.wait_for(ch.event.wait(), 10)
+        assert ch.tokens == [11, 12] and ch.rank == 3
+        # The scheduler took rank 3 for dead: both are resumed.
+        await admin.xadd(out, {FIELD: encode(Resume(["q1", "q2"]))})
+        docs = await _wait_entries(admin, keys.requests, 4)
+        again = {d["id"]: d for d in docs[2:]}
+        assert again["q1"]["g"] == [11, 12] and again["q1"]["ep"] == 1
+        assert again["q2"].get("g", []) == [] and again["q2"]["ep"] == 1
+        # Only the rank that streamed q1 hears of it: retire its epoch-0 copy.
+        assert await _wait_entries(admin, keys.inbox(3), 1) == [{"k": "retire", "id": "q1", "r": 3, "ep": 0}]
+        # A late delta of the old copy is ignored; the new one continues at position 2.
+        await admin.xadd(out, {FIELD: encode_deltas([Delta("q1", 2, [99], rank=3, epoch=0),
+                                                      Delta("q1", 2, [13], rank=0, epoch=1)])})
+        deadline = time.monotonic() + 10
+        while ch.tokens != [11, 12, 13]:
+            assert time.monotonic() < deadline, ch.tokens
+            await asyncio.sleep(0.02)
+        assert ch2.tokens == []
+    finally:
+        await gw.stop()
+        await r.aclose()
+        await admin.aclose()
+
+
+def test_a_resume_resubmits_and_retires_the_stale_copy(redis_url, namespace):
+    asyncio.run(_resume_flow(redis_url, namespace))
