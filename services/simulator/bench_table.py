@@ -2,7 +2,9 @@
 in each system's own deployment, the same in both uniform deployments, the goals check,
 and one PNG per workload (docs/img/sweep-WORKLOAD.png).
 
-``scripts/bench-table --quick`` runs a small version (for a look, not for the page)."""
+``scripts/bench-table --quick`` runs a small version (for a look, not for the page);
+``scripts/bench-table --only default`` re-runs only the default's rows (after a change to it)
+and merges them into the last full run (the peers' code did not change, nor their rows)."""
 
 from __future__ import annotations
 
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.from_json:
         data = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
         both = {tuple(k.split(":", 1)): v for k, v in data["uniform"].items()}
-        write_page(data["own"], both, data.get("wall_s", 0.0))
+        write_page(data["own"], both, data.get("wall_s", 0.0), data.get("rerun"))
         return
     ranks, api, req = (8, 2, 600) if a.quick else (RANKS, API_SERVERS, REQUESTS)
     loads = (0.5, 1.0, 1.5) if a.quick else LOADS
@@ -157,17 +159,19 @@ def main(argv: list[str] | None = None) -> None:
             print(f"## {w}\n{sweep_markdown(doc)}\n" + "\n".join(goal_lines(doc)) + "\n")
         print(check_markdown(both))
         return
+    rerun = None
     if a.only:
         data = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
         own = {w: merge(data["own"][w], doc) for w, doc in own.items()}
         both = {k: merge(data["uniform"][f"{k[0]}:{k[1]}"], doc) for k, doc in both.items()}
+        rerun = {"policies": a.only, "wall_s": wall}
         wall = data.get("wall_s", 0.0)
     (ROOT / "docs" / "benchmarks.json").write_text(json.dumps(
-        {"own": own, "uniform": {f"{k[0]}:{k[1]}": v for k, v in both.items()}, "wall_s": wall}))
-    write_page(own, both, wall)
+        {"own": own, "uniform": {f"{k[0]}:{k[1]}": v for k, v in both.items()}, "wall_s": wall, "rerun": rerun}))
+    write_page(own, both, wall, rerun)
 
 
-def write_page(own: dict[str, Any], both: dict[tuple, Any], wall: float) -> None:
+def write_page(own: dict[str, Any], both: dict[tuple, Any], wall: float, rerun: dict | None = None) -> None:
     from services.simulator.plot import plot_sweep
     IMG.mkdir(parents=True, exist_ok=True)
     sections = []
@@ -186,7 +190,9 @@ def write_page(own: dict[str, Any], both: dict[tuple, Any], wall: float) -> None
                    "view (`--dispatch scheduler`), then as every api-server deciding from a 100 ms view "
                    "(`--dispatch client`; lockstep's api-servers place at once in that mode). Commands: the "
                    "sweep commands above with `--sweep 0.5,1,1.5 --dispatch scheduler|client`.\n\n" +
-                   check_markdown(both) + "\n\n" + tail + f"\n\n_Generated in {wall / 60:.0f} min on 2 cores._\n")
+                   check_markdown(both) + "\n\n" + tail + f"\n\n_Generated in {wall / 60:.0f} min on 2 cores._" +
+                   (f" _Rows of {rerun['policies']} re-run since (`scripts/bench-table --only {rerun['policies']}`, "
+                    f"{rerun['wall_s'] / 60:.0f} min)._" if rerun else "") + "\n")
     print(f"wrote {OUT} ({wall:.0f} s)", file=sys.stderr)
 
 
