@@ -14,8 +14,8 @@ Balance is reported two ways, because the blog's "Avg Balance Ratio" is not our 
 
 ``sol_tok_s`` is the blog's speed-of-light throughput: ``elapsed / sum(step_time * ratio) *
 actual``; ``sol_gain`` is ``sol_tok_s / actual - 1``, the blog's "theoretical performance
-improvement", and ``balance_time`` its inverse's complement, the step-time-weighted balance
-``actual / sol_tok_s``. The blog plots (and quotes a gain for) iterations 100-12,000
+improvement", and ``balance_time`` = ``actual / sol_tok_s`` = 1 / (1 + ``sol_gain``), the
+balance weighted by step time. The blog plots (and quotes a gain for) iterations 100-12,000
 (``WINDOW``): the ``*_window`` figures are those iterations only, null when a run is shorter.
 The comparison is reported, never asserted: small traces are noisy.
 
@@ -53,8 +53,8 @@ BLOG_ROWS: dict[str, tuple[str, float, float, float]] = {
 # The baseline's printed "Avg Balance Ratio" (54.11 %) is, to all four digits, its SOL gain
 # (39,552 / 25,664 - 1 = 0.5411); the blog's draft (bloc_x_adp-scheduler-opt.md) prints it
 # next to sol_tps and calls that quantity "Theoretical Performance Improvement" for its
-# window; the other rows' are not their gains (14.4 %, 11.1 %). As a balance it cannot be
-# met together with 84.33 % (docs/calibration.md), so that row is compared by its gain.
+# window; the other rows' are not their gains (14.4 %, 11.1 %). As a balance it cannot
+# hold beside 84.33 % (docs/calibration.md), so that row is compared by its gain.
 PRINTED_AS_GAIN = ("baseline",)
 # the iterations the blog's Figures 4-6 plot; for the baseline it quotes a 70.23 % gain there
 WINDOW = (100, 12000)
