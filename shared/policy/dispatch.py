@@ -213,7 +213,7 @@ class _LocalViewPolicy:
         if now > self._now:
             self._now = now
         v = self._view(rank)
-        seq = v.unseen.send(self._amount(req), t=now)
+        seq = v.unseen.send(self._amount(req), 0, now)
         if i >= 0:
             self._scores[i] = self._score(v)
         return Assignment(request_id=req.id, rank=rank, reason=reason,

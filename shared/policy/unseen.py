@@ -29,11 +29,12 @@ class UnseenSends:
 
     def send(self, amount: float, blocks: int = 0, t: float = 0.0) -> int:
         """Record one send; returns its seq."""
-        self.seq += 1
-        self.sends.append((self.seq, amount, blocks, t))
+        seq = self.seq = self.seq + 1      # (the dispatch hot path: locals, no needless adds)
+        self.sends.append((seq, amount, blocks, t))
         self.amount += amount
-        self.blocks += blocks
-        return self.seq
+        if blocks:
+            self.blocks += blocks
+        return seq
 
     def reconcile(self, recv: int, sent_before: float | None = None) -> tuple[int, int]:
         """Drop the sends the engine has echoed (``seq <= recv``) and, with ``sent_before``,
@@ -41,7 +42,10 @@ class UnseenSends:
         q = self.sends
         seen = expired = 0
         while q and (q[0][0] <= recv or (sent_before is not None and q[0][3] < sent_before)):
-            if self.drop_oldest() <= recv:
+            seq, amount, blocks, _ = q.popleft()    # (drop_oldest, inlined: once per send)
+            self.amount -= amount
+            self.blocks -= blocks
+            if seq <= recv:
                 seen += 1
             else:
                 expired += 1
