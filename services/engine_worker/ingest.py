@@ -20,11 +20,8 @@ def ingest(state: RankState, fetched: list[tuple[bytes, dict[str, Any]]], log: A
     for eid, doc in fetched:
         kind = doc.get("k")
         if kind == "req":
-            try:
-                req = Request.from_dict(doc)
-            except MessageError as exc:   # malformed for good: drop it, keep stepping
-                st.acks.append(eid)
-                log.error("bad_inbox_entry", entry=eid.decode(), error=str(exc))
+            req = _parse(st, Request, eid, doc, log)
+            if req is None:
                 continue
             if req.id in st.entry_of:          # already here
                 if not supersede(st, req, eid, log):
@@ -47,20 +44,14 @@ def ingest(state: RankState, fetched: list[tuple[bytes, dict[str, Any]]], log: A
             else:
                 st.rs.arrived(seq, time.monotonic())
         elif kind == "retire":
-            try:
-                rt = Retire.from_dict(doc)
-            except MessageError as exc:
-                st.acks.append(eid)
-                log.error("bad_inbox_entry", entry=eid.decode(), error=str(exc))
+            rt = _parse(st, Retire, eid, doc, log)
+            if rt is None:
                 continue
             st.acks.append(eid)
             retire(st, rt, log)
         elif kind == "abort":
-            try:
-                ab = Abort.from_dict(doc)
-            except MessageError as exc:
-                st.acks.append(eid)
-                log.error("bad_inbox_entry", entry=eid.decode(), error=str(exc))
+            ab = _parse(st, Abort, eid, doc, log)
+            if ab is None:
                 continue
             seq = st.core.abort(ab.id)
             st.acks.append(eid)
@@ -69,6 +60,17 @@ def ingest(state: RankState, fetched: list[tuple[bytes, dict[str, Any]]], log: A
         else:
             st.acks.append(eid)
             log.warning("inbox_entry_ignored", kind=kind)
+
+
+def _parse(state: RankState, cls: Any, eid: bytes, doc: dict[str, Any], log: Any) -> Any:
+    """The entry as message ``cls``; None (acked and logged) when malformed for good: it is
+    dropped and the step loop goes on."""
+    try:
+        return cls.from_dict(doc)
+    except MessageError as exc:
+        state.acks.append(eid)
+        log.error("bad_inbox_entry", entry=eid.decode(), error=str(exc))
+        return None
 
 
 def supersede(state: RankState, req: Request, eid: bytes, log: Any) -> bool:
