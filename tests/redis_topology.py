@@ -252,6 +252,22 @@ def stream_many(api_url: str, n: int, tokens: int, tag: str,
     return asyncio.run(main())
 
 
+def stream_through(api_url: str, n: int, tokens: int, tag: str, fault, join_s: float = 200) -> list[StreamResult]:
+    """``stream_many`` in a thread; ``fault()`` runs once a first token has streamed (a
+    failover, a kill, a stall). Returns the results once every stream ended."""
+    started = threading.Event()
+    results: list[StreamResult] = []
+    worker = threading.Thread(target=lambda: results.extend(stream_many(api_url, n, tokens, tag, started)))
+    worker.start()
+    try:
+        assert started.wait(60), "no token streamed before the fault"
+        fault()
+    finally:
+        worker.join(join_s)
+    assert not worker.is_alive(), "the streams did not finish"
+    return results
+
+
 def check_streams(results: list[StreamResult], n: int, tokens: int, tag: str) -> None:
     """Every stream completed with exactly its tokens: the sim text is a pure function of
     (seed, prompt, position), so a token lost or streamed twice anywhere shows here."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import openai
 import pytest
@@ -19,7 +18,7 @@ from shared import keys as K
 from shared.tokenizer import encode
 from tests.conftest import start_cluster
 from tests.helpers import poll_until, sim_expected_text
-from tests.redis_topology import LocalCluster, check_streams, stream_many
+from tests.redis_topology import LocalCluster, check_streams, stream_many, stream_through
 
 pytestmark = pytest.mark.slow
 MODEL = "lockstep-moe"
@@ -95,19 +94,14 @@ def test_primary_failover_mid_run_loses_nothing(up, rcluster):
     every stream completes with exactly its tokens."""
     keys = K.Keys(up.namespace)
     n, tokens = 24, 120
-    started = threading.Event()
-    results: list = []
-    worker = threading.Thread(target=lambda: results.extend(stream_many(up.api_url, n, tokens, "fo", started)))
-    worker.start()
-    try:
-        assert started.wait(60), "no token streamed before the failover"
+
+    def failovers() -> None:
         first = rcluster.primary_of(keys.requests)
         promoted = rcluster.failover(first)
         assert rcluster.primary_of(keys.requests) == promoted != first
         rcluster.failover(rcluster.primary_of(keys.stats))
-    finally:
-        worker.join(200)
-    assert not worker.is_alive(), "the streams did not finish"
+
+    results = stream_through(up.api_url, n, tokens, "fo", failovers)
     check_streams(results, n, tokens, "fo")
     # And the cluster keeps serving on the new primaries.
     check_streams(stream_many(up.api_url, 8, 16, "after"), 8, 16, "after")
@@ -129,19 +123,13 @@ def test_killed_primary_mid_run_loses_nothing(tmp_path):
         try:
             keys = K.Keys(cluster.namespace)
             n, tokens = 24, 120
-            started = threading.Event()
-            results: list = []
-            worker = threading.Thread(target=lambda: results.extend(stream_many(cluster.api_url, n, tokens, "kp",
-                                                                                started)))
-            worker.start()
-            try:
-                assert started.wait(60), "no token streamed before the kill"
+
+            def kill() -> None:
                 victim = rc.primary_of(keys.requests)
                 promoted = rc.kill_primary(victim)
                 assert rc.primary_of(keys.requests) == promoted != victim
-            finally:
-                worker.join(200)
-            assert not worker.is_alive(), "the streams did not finish"
+
+            results = stream_through(cluster.api_url, n, tokens, "kp", kill)
             assert all(r.acked for r in results), [repr(r.error) for r in results if not r.acked]
             check_streams(results, n, tokens, "kp")
             check_streams(stream_many(cluster.api_url, 8, 16, "kp-after"), 8, 16, "kp-after")

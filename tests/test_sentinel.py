@@ -5,7 +5,6 @@ promoted, the old primary follows it) loses no request acknowledged to a client.
 
 from __future__ import annotations
 
-import threading
 
 import openai
 import pytest
@@ -14,7 +13,7 @@ from shared.redis_url import SENTINEL, BadRedisUrl, parse
 from shared.tokenizer import encode
 from tests.conftest import start_cluster
 from tests.helpers import sim_expected_text
-from tests.redis_topology import MODEL, LocalSentinel, check_streams, stream_many
+from tests.redis_topology import MODEL, LocalSentinel, check_streams, stream_many, stream_through
 
 pytestmark = pytest.mark.slow
 
@@ -44,17 +43,12 @@ def test_sentinel_url_serves_openai_requests(up):
 
 def test_failover_mid_run_loses_no_acknowledged_request(up, group):
     n, tokens = 24, 120
-    started = threading.Event()
-    results: list = []
-    worker = threading.Thread(target=lambda: results.extend(stream_many(up.api_url, n, tokens, "sf", started)))
-    worker.start()
-    try:
-        assert started.wait(60), "no token streamed before the failover"
+
+    def failover() -> None:
         old = group.primary_port()
         assert group.failover() != old
-    finally:
-        worker.join(200)
-    assert not worker.is_alive(), "the streams did not finish"
+
+    results = stream_through(up.api_url, n, tokens, "sf", failover)
     # Every stream was under way (acknowledged) when the primary changed: all complete,
     # each token exactly once.
     assert all(r.acked for r in results)
