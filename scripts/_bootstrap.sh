@@ -9,6 +9,9 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; th
   exit 1
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+# A venv left without pip (made with --without-pip, or an interrupted first run): give it one.
+"$VENV/bin/python" -m pip --version >/dev/null 2>&1 || "$VENV/bin/python" -m ensurepip --upgrade >/dev/null || {
+  echo "lockstep: $VENV has no pip and ensurepip failed; remove $VENV and run this again." >&2; exit 1; }
 STAMP="$VENV/.lockstep-installed"
 WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)-${LOCKSTEP_EXTRAS:-test,plot}"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
