@@ -156,7 +156,7 @@ class ApiServerSettings(Settings):
 
 class SchedulerSettings(Settings):
     policy: str = Field("waterfill", description="Dispatch policy (waterfill, round_robin, least_score, least_tokens, staggered); see lockstep up --help.")
-    level_tokens: int = Field(4096, description="waterfill: a rank with less prefill pending than this gets the oldest unplaced request (2 x the engines' max_num_batched_tokens).")
+    level_tokens: int = Field(0, ge=0, description="waterfill: a rank with less prefill pending than this gets the oldest unplaced request. 0 (default): 2 x the engines' max_num_batched_tokens, as the ranks report it (4096 until one does).")
     dispatch: str = Field("scheduler", description="'scheduler' or 'client' (api-servers pick ranks; refused with policy staggered).")
     num_api_servers: int = Field(1, description="api-server replicas (for the local-view bump).")
     ranks: int = Field(4, description="DP ranks expected in the engine group.")

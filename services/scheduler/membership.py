@@ -1,6 +1,8 @@
 """Which ranks may get work: every 250 ms read the ranks' heartbeats, their consumer names
 and ``<ns>:drained``; on a change tell the aggregator and the policy, and have dead ranks'
-work resumed at once (also when a spare replaced a rank before a heartbeat went missing)."""
+work resumed at once (also when a spare replaced a rank before a heartbeat went missing).
+The same read brings each rank's step size (``step_tokens``, its max_num_batched_tokens),
+which waterfill's level follows unless an operator set ``level_tokens``."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 from services.scheduler.recovery import Recovery
 from services.scheduler.state import SchedulerState
 from shared import keys as K
+from shared.policy.waterfill import level_for
 
 POLL_S = 0.25
 
@@ -17,8 +20,10 @@ POLL_S = 0.25
 class Membership:
     """Writes ``state.live`` and ``state.drained``."""
 
-    def __init__(self, r: Any, keys: K.Keys, state: SchedulerState, recovery: Recovery, log: Any) -> None:
+    def __init__(self, r: Any, keys: K.Keys, state: SchedulerState, recovery: Recovery, log: Any,
+                 follow_step_tokens: bool = False) -> None:
         self.r, self.keys, self.state, self.recovery, self.log = r, keys, state, recovery, log
+        self.follow_step_tokens = follow_step_tokens   # set the policy's level from the ranks' step size
         self.consumers: dict[int, bytes | None] = {}   # rank -> consumer name of its current incarnation
 
     async def iteration(self) -> None:
@@ -26,15 +31,18 @@ class Membership:
         pipe = self.r.pipeline(transaction=False)
         for r in st.ranks:
             pipe.exists(self.keys.rank_alive(r))
-            pipe.hget(self.keys.rank_info(r), "consumer")
+            pipe.hmget(self.keys.rank_info(r), ["consumer", "step_tokens"])
         pipe.smembers(self.keys.drained)
         res = await pipe.execute()
         live = [r for r, alive in zip(st.ranks, res[:-1:2]) if alive]
         self.recovery.ever_alive.update(live)
         drained = {int(x) for x in res[-1]}
+        info = dict(zip(st.ranks, res[1:-1:2]))
+        if self.follow_step_tokens:
+            self._follow([info[r][1] for r in live])
         # A new incarnation of a rank (a hot spare took the slot of a dead process before
         # this loop saw it empty): what the old one had is resumed now, not at the next scan.
-        consumers = dict(zip(st.ranks, res[1:-1:2]))
+        consumers = {r: v[0] for r, v in info.items()}
         if any(self.consumers.get(r) not in (None, c) for r, c in consumers.items()):
             self.recovery.soon()
         self.consumers = consumers
@@ -49,3 +57,14 @@ class Membership:
             self.recovery.soon()
         await self.recovery.scan_if_due()
         await asyncio.sleep(POLL_S)
+
+    def _follow(self, step_tokens: list[Any]) -> None:
+        """Waterfill's level from the live ranks' step size (checked every poll: a new
+        leader's policy starts at the default engine's)."""
+        policy = self.state.policy
+        if not any(step_tokens) or not hasattr(policy, "set_level"):
+            return
+        level = level_for(step_tokens)
+        if policy.level != level:
+            policy.set_level(level)
+            self.log.info("level_tokens_follows_engines", level_tokens=level)

@@ -31,6 +31,7 @@ from shared.bus import ensure_group, open_service_connection
 from shared.logging import configure
 from shared.policy.aggregator import StepAggregator
 from shared.policy.registry import make_policy
+from shared.policy.waterfill import level_for
 from shared.settings import SchedulerSettings
 
 
@@ -50,7 +51,7 @@ class SchedulerService:
     def _make_policy(self, dispatcher_id: str) -> Any:
         s = self.s
         extra = ({"max_wait_ms": s.max_wait_ms} if s.policy == "staggered" else
-                 {"level_tokens": s.level_tokens} if s.policy == "waterfill" else {})
+                 {"level_tokens": s.level_tokens or level_for(None)} if s.policy == "waterfill" else {})
         return make_policy(s.policy, dispatcher_id=dispatcher_id, num_api_servers=s.num_api_servers,
                            ranks=self.ranks, **extra)
 
@@ -64,7 +65,8 @@ class SchedulerService:
         self.batches = BatchReleaser(r, keys, st, self.writer)
         self.steps = StepPublisher(r, keys, st, log)
         self.recovery = Recovery(r, keys, st, log)
-        self.membership = Membership(r, keys, st, self.recovery, log)
+        self.membership = Membership(r, keys, st, self.recovery, log,
+                                     follow_step_tokens=self.s.policy == "waterfill" and not self.s.level_tokens)
 
     # What metrics.py and the tests read.
     policy = property(lambda self: self.state.policy)

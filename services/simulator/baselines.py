@@ -60,6 +60,7 @@ from typing import Any, Callable
 
 from shared.policy.base import Assignment, RequestInfo
 from shared.policy.registry import make_policy
+from shared.policy.waterfill import level_for
 from shared.stats import RankStats, Snapshot
 
 from services.simulator.peer_gates import AdpBalanceGate, PrefillDelayer, TrtllmAdpRouter
@@ -407,8 +408,8 @@ def _lockstep(name: str, **extra: Any) -> Factory:
         kw = {**extra, **params}
         if name == "staggered":
             kw.setdefault("block_size", block_size)
-        if name == "waterfill":   # two steps of prefill (SchedulerSettings.level_tokens for 2048-token steps)
-            kw.setdefault("level_tokens", 2 * step_tokens)
+        if name == "waterfill":   # what the scheduler follows by default: two steps of the engines' prefill
+            kw.setdefault("level_tokens", level_for([step_tokens]))
         return make_policy(name, dispatcher_id=dispatcher_id, num_api_servers=num_api_servers,
                            client_mode=client_mode, ranks=list(ranks), **kw)
     return make

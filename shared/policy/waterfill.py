@@ -14,7 +14,9 @@ loaded rank (TTFT first). The engines then cap each step at a budget most ranks 
 Why ``level_tokens`` = 2 steps of prefill (2 x ``max_num_batched_tokens``): a rank must
 still have a full step's prefill queued when the next snapshot and dispatch land (one step
 plus two Redis hops later), or it idles through a step of prefill; more than that only
-moves the queue from here, where any rank can take it, to one rank's inbox.
+moves the queue from here, where any rank can take it, to one rank's inbox. The scheduler
+follows the engines' step size (:func:`level_for` of what the ranks report in their info),
+unless an operator set ``level_tokens``.
 
 Bounds: an unplaced request is released after ``max_hold_s`` whatever the view says (a stale
 or missing snapshot cannot strand it); the unplaced queue is at most ``max_unplaced`` (then
@@ -24,12 +26,23 @@ or missing snapshot cannot strand it); the unplaced queue is at most ``max_unpla
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 from shared.policy.base import Assignment, RequestInfo
 from shared.policy.dispatch import _LocalViewPolicy, _RankView
 from shared.policy.staggered import BatcherFull
 from shared.stats import Snapshot
+
+LEVEL_STEPS = 2              # steps of prefill a rank holds (module docstring)
+DEFAULT_STEP_TOKENS = 2048   # EngineSettings.max_num_batched_tokens' default: until a rank reports its own
+
+
+def level_for(step_tokens: Iterable[Any] | None) -> int:
+    """The level for engines whose steps take ``step_tokens`` tokens (the largest counts:
+    every rank must still hold a full step); the default engine's while none is known."""
+    known = [int(t) for t in step_tokens or () if t]
+    return LEVEL_STEPS * (max(known) if known else DEFAULT_STEP_TOKENS)
 
 
 class WaterFill(_LocalViewPolicy):
@@ -48,6 +61,12 @@ class WaterFill(_LocalViewPolicy):
         self.released = 0
         self.released_by_bound = 0
         self.hold_s_total = 0.0
+
+    def set_level(self, level_tokens: int) -> None:
+        """Follow the engines' step size (the scheduler learns it from the ranks' info)."""
+        if level_tokens < 1:
+            raise ValueError("level_tokens must be >= 1")
+        self.level = float(level_tokens)
 
     # ---------------------------------------------------------------- score
     def _amount(self, req: RequestInfo) -> float:
