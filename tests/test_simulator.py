@@ -252,3 +252,18 @@ def test_the_ideal_run_in_a_forked_process_equals_the_one_in_line(monkeypatch):
     strip = lambda d: {k: v for k, v in d.items() if k != "wall_s"}   # noqa: E731
     assert strip(forked["ideal"]) == strip(inline["ideal"])
     assert {k: strip(v) for k, v in forked["policies"].items()} == {k: strip(v) for k, v in inline["policies"].items()}
+
+
+def test_the_ideal_pays_the_longest_context_in_full():
+    """The ideal balances tokens over the ranks, not one sequence's attention: a lone
+    8,192-token request decodes at step_ms(1 / ranks tokens, its whole context), as it would
+    on any rank of a real group (the ideal once divided the context by the ranks too)."""
+    cost = CostModel(fixed_ms=1.0, token_ms=0.0, ctx_ms_per_1k=10.0, idle_ms=1.0)
+    tr = workload.Trace(t=np.zeros(1), prompt=np.array([8192]), output=np.array([4]),
+                        api=np.zeros(1, dtype=np.int64), max_tokens=np.array([4]))
+    cfg = sim.SimConfig(ranks=4, cost=cost, engine=EngineConfig(max_model_len=16384))
+    ideal = sim.run_ideal(tr, cfg)
+    decode_ms = ideal.step_dur[-1] * 1000.0            # the last step decodes at context 8,195
+    assert decode_ms == pytest.approx(cost.step_ms(1, 8195), abs=0.5)   # 82.95 ms, not 21.5
+    real = sim.run_policy(tr, sim.resolve_policies("least_score", cfg)[0], cfg)
+    assert real.step_dur[-1] * 1000.0 == pytest.approx(decode_ms, abs=0.5)

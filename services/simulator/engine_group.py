@@ -10,7 +10,8 @@ only what a real deployment has outside that code:
   end-of-sequence token when the request reaches its true output length (the length the
   client did not know: requests carry only the client's ``max_tokens`` cap);
 * the device: a step lasts ``CostModel.step_ms`` of the busiest rank's tokens and context
-  (``cost_divisor`` spreads one pooled rank's work over R, for the ideal run);
+  (``cost_divisor`` spreads one pooled rank's tokens over R, for the ideal run; its longest
+  context is not divided: a sequence's attention runs on one rank, in any placement);
 * peers' engine-side gates (``group_gate``, services/simulator/peer_gates.py), consulted
   before the ranks schedule: when one says no, no rank starts a new prefill this step.
 """
@@ -225,7 +226,7 @@ class EngineGroup:
         mx = max(tokens)
         max_ctx = max(view.column(F_MAX_CTX))
         div = self.div
-        dur = self.cost.step_ms(mx / div if div > 1 else mx, max_ctx / div if div > 1 else max_ctx) / 1000.0
+        dur = self.cost.step_ms(mx / div if div > 1 else mx, max_ctx) / 1000.0
         t_end = now + dur
         for rs in self.ranks:
             rs.note_step(dur * 1000.0)
