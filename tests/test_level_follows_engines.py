@@ -1,4 +1,5 @@
-"""waterfill's level follows the engines' step size, against the real embedded Redis.
+"""waterfill's level follows the engines' step size, and it learns their sequence slots,
+against the real embedded Redis.
 
 The level is two steps of prefill per rank. It was a fixed 4,096 tokens: right for the
 default 2,048-token steps, but with engines run at max_num_batched_tokens 8,192 it was half
@@ -39,7 +40,7 @@ def test_level_for_takes_two_steps_of_the_largest_engine_and_the_default_engine_
 
 
 async def _poll_once(redis_url: str, namespace: str, follow: bool, reports: dict[int, int | None],
-                     live: set[int]) -> WaterFill:
+                     live: set[int], slots: dict[int, int] | None = None) -> WaterFill:
     """One membership poll of a scheduler whose ranks report ``reports`` (rank -> step
     tokens) and of which ``live`` hold their slot; returns its policy."""
     r = aioredis.Redis.from_url(redis_url)
@@ -52,6 +53,8 @@ async def _poll_once(redis_url: str, namespace: str, follow: bool, reports: dict
         for rank, step in reports.items():
             if step is not None:
                 await r.hset(keys.rank_info(rank), mapping={"consumer": f"rank{rank}", "step_tokens": step})
+            if slots and rank in slots:
+                await r.hset(keys.rank_info(rank), "max_seqs", slots[rank])
             if rank in live:
                 await r.set(keys.rank_alive(rank), "token", px=10_000)
         await Membership(r, keys, st, Recovery(r, keys, st, log), log, follow_step_tokens=follow).iteration()
@@ -76,12 +79,18 @@ def test_ranks_that_report_nothing_leave_the_default_level(redis_url, namespace)
     assert policy.level == 4096
 
 
-def test_a_rank_reports_its_step_size_in_its_info(redis_url, namespace):
+def test_the_scheduler_learns_each_live_ranks_slots(redis_url, namespace):
+    policy = asyncio.run(_poll_once(redis_url, namespace, True, {0: 2048, 1: 2048, 2: 2048}, live={0, 1},
+                                    slots={0: 64, 1: 128, 2: 256}))
+    assert policy._max_seqs == {0: 64, 1: 128}   # the dead rank's does not count
+
+
+def test_a_rank_reports_its_step_size_and_slots_in_its_info(redis_url, namespace):
     keys = K.Keys(namespace)
     settings = EngineSettings(redis_url=redis_url, namespace=namespace, ranks=1, heartbeat_ms=100,
-                              max_num_batched_tokens=4608)
+                              max_num_batched_tokens=4608, max_num_seqs=96)
 
-    async def main() -> bytes | None:
+    async def main() -> list[bytes | None]:
         r = aioredis.Redis.from_url(redis_url)
         try:
             m = GroupMembership(settings, r, keys, configure("engine-worker", "error"), asyncio.Event(),
@@ -89,8 +98,8 @@ def test_a_rank_reports_its_step_size_in_its_info(redis_url, namespace):
                                 on_slot_lost=lambda holder: threading.Event().set())
             m.rank = 0
             await m.prepare_streams("rank0-test")
-            return await r.hget(keys.rank_info(0), "step_tokens")
+            return await r.hmget(keys.rank_info(0), ["step_tokens", "max_seqs"])
         finally:
             await r.aclose()
 
-    assert asyncio.run(main()) == b"4608"
+    assert asyncio.run(main()) == [b"4608", b"96"]

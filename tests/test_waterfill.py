@@ -14,8 +14,9 @@ from shared.policy.staggered import BatcherFull
 from shared.stats import RankStats, Snapshot
 
 
-def _snap(pending, seq=1, recv=None):
-    ranks = {r: RankStats(r, 0, seq, prefill_pending=p, recv=dict(recv or {})) for r, p in enumerate(pending)}
+def _snap(pending, seq=1, recv=None, running=None):
+    ranks = {r: RankStats(r, 0, seq, prefill_pending=p, recv=dict(recv or {}),
+                          running=(running or [0] * len(pending))[r]) for r, p in enumerate(pending)}
     return Snapshot(0, seq, 0.0, ranks, seq=seq)
 
 
@@ -45,6 +46,20 @@ def test_keeps_requests_unplaced_while_every_rank_is_above_the_level_and_release
     out = p.poll(0.3)
     # rank 1 drained: it takes the oldest first, until it is above the level again
     assert [(a.request_id, a.rank) for a in out] == [("1", 1), ("2", 1)]
+
+
+def test_a_rank_whose_slots_are_full_takes_nothing_until_one_frees():
+    p = make_policy("waterfill", ranks=[0, 1, 2], level_tokens=4096, max_hold_s=10.0, max_seqs={0: 4, 1: 4, 2: 8})
+    p.on_snapshot(_snap([0, 3000, 3500], running=[4, 3, 7]))   # rank 0 has the least prefill, but no slot
+    assert [a.rank for a in p.submit(_req(1, prompt=100), 0.0)] == [1]    # rank 1's last slot
+    assert [a.rank for a in p.submit(_req(2, prompt=100), 0.0)] == [2]    # then rank 2's
+    assert p.submit(_req(3, prompt=100), 0.0) == [] and p.unplaced == 1  # every slot taken or sent
+    p.on_snapshot(_snap([0, 3100, 3600], seq=2, running=[3, 4, 8], recv={"scheduler": 1}))
+    assert [a.rank for a in p.poll(0.1)] == [0]      # a request on rank 0 finished: its slot frees
+    # without slot limits the least pending rank takes everything at once
+    q = make_policy("waterfill", ranks=[0, 1, 2], level_tokens=4096)
+    q.on_snapshot(_snap([0, 3000, 3500], running=[4, 3, 7]))
+    assert [a.rank for a in q.submit(_req(1, prompt=100), 0.0)] == [0]
 
 
 def test_an_unplaced_request_is_released_by_the_bound_even_if_the_view_never_changes():

@@ -160,7 +160,7 @@ class GroupMembership:
         ttl = self.s.heartbeat_ms * 3
         alive_key, info_key = self.keys.rank_alive(self.rank), self.keys.rank_info(self.rank)
         identity = {"pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend, "token": self.token,
-                    "step_tokens": self.s.max_num_batched_tokens}
+                    "step_tokens": self.s.max_num_batched_tokens, "max_seqs": self.s.max_num_seqs}
         client = connect_sync(self.s.redis_url, timeout_s=max(0.5, self.s.heartbeat_ms / 1000),
                               connect_timeout_s=max(0.5, self.s.heartbeat_ms / 1000))
         log = self.log
@@ -217,7 +217,7 @@ class GroupMembership:
         await self.r.hset(self.keys.rank_info(self.rank), mapping={
             "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend,
             "started": time.time(), "token": self.token, "consumer": consumer,
-            "step_tokens": self.s.max_num_batched_tokens})
+            "step_tokens": self.s.max_num_batched_tokens, "max_seqs": self.s.max_num_seqs})
         return inbox_last, wave_last
 
     async def _rendezvous(self) -> tuple[str, int]:

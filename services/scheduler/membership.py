@@ -2,7 +2,8 @@
 and ``<ns>:drained``; on a change tell the aggregator and the policy, and have dead ranks'
 work resumed at once (also when a spare replaced a rank before a heartbeat went missing).
 The same read brings each rank's step size (``step_tokens``, its max_num_batched_tokens),
-which waterfill's level follows unless an operator set ``level_tokens``."""
+which waterfill's level follows unless an operator set ``level_tokens``, and its sequence
+slots (``max_seqs``, its max_num_seqs), which waterfill uses to bind nothing to a full rank."""
 
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ class Membership:
         self.r, self.keys, self.state, self.recovery, self.log = r, keys, state, recovery, log
         self.follow_step_tokens = follow_step_tokens   # set the policy's level from the ranks' step size
         self.consumers: dict[int, bytes | None] = {}   # rank -> consumer name of its current incarnation
+        self._slots: dict[int, int] = {}                # rank -> max_num_seqs, as last given to the policy
 
     async def iteration(self) -> None:
         st = self.state
         pipe = self.r.pipeline(transaction=False)
         for r in st.ranks:
             pipe.exists(self.keys.rank_alive(r))
-            pipe.hmget(self.keys.rank_info(r), ["consumer", "step_tokens"])
+            pipe.hmget(self.keys.rank_info(r), ["consumer", "step_tokens", "max_seqs"])
         pipe.smembers(self.keys.drained)
         res = await pipe.execute()
         live = [r for r, alive in zip(st.ranks, res[:-1:2]) if alive]
@@ -40,6 +42,7 @@ class Membership:
         info = dict(zip(st.ranks, res[1:-1:2]))
         if self.follow_step_tokens:
             self._follow([info[r][1] for r in live])
+        self._follow_slots({r: info[r][2] for r in live})
         # A new incarnation of a rank (a hot spare took the slot of a dead process before
         # this loop saw it empty): what the old one had is resumed now, not at the next scan.
         consumers = {r: v[0] for r, v in info.items()}
@@ -68,3 +71,13 @@ class Membership:
         if policy.level != level:
             policy.set_level(level)
             self.log.info("level_tokens_follows_engines", level_tokens=level)
+
+    def _follow_slots(self, max_seqs: dict[int, Any]) -> None:
+        """Each live rank's sequence slots, for a policy that binds nothing to a full rank."""
+        policy = self.state.policy
+        if not hasattr(policy, "set_max_seqs"):
+            return
+        slots = {r: int(m) for r, m in max_seqs.items() if m}
+        if slots != self._slots:
+            self._slots = slots
+            policy.set_max_seqs(slots)

@@ -404,12 +404,13 @@ class PolicySpec:
 
 def _lockstep(name: str, **extra: Any) -> Factory:
     def make(*, dispatcher_id: str, client_index: int, num_api_servers: int, client_mode: bool,
-             ranks: list[int], block_size: int, step_tokens: int = 2048, **params: Any) -> Any:
+             ranks: list[int], block_size: int, step_tokens: int = 2048, max_seqs: int = 0, **params: Any) -> Any:
         kw = {**extra, **params}
         if name == "staggered":
             kw.setdefault("block_size", block_size)
-        if name == "waterfill":   # what the scheduler follows by default: two steps of the engines' prefill
+        if name == "waterfill":   # what the scheduler learns from the ranks' info: their step size and slots
             kw.setdefault("level_tokens", level_for([step_tokens]))
+            kw.setdefault("max_seqs", max_seqs)
         return make_policy(name, dispatcher_id=dispatcher_id, num_api_servers=num_api_servers,
                            client_mode=client_mode, ranks=list(ranks), **kw)
     return make
@@ -417,7 +418,7 @@ def _lockstep(name: str, **extra: Any) -> Factory:
 
 def _cls(cls: type, **extra: Any) -> Factory:
     def make(*, dispatcher_id: str, client_index: int, num_api_servers: int, client_mode: bool,
-             ranks: list[int], block_size: int, step_tokens: int = 2048, **params: Any) -> Any:
+             ranks: list[int], block_size: int, step_tokens: int = 2048, max_seqs: int = 0, **params: Any) -> Any:
         kw = {**extra, **params}
         if cls in (VllmDPLB, VllmDPLBLegacy):
             kw["client_index"] = client_index

@@ -188,7 +188,8 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
     pols = [spec.factory(dispatcher_id=(f"api-{a}" if n_disp > 1 else "scheduler"),
                          client_index=a, num_api_servers=N, client_mode=n_disp > 1,
                          ranks=ranks, block_size=cfg.engine.block_size,
-                         step_tokens=cfg.engine.max_num_batched_tokens) for a in range(n_disp)]
+                         step_tokens=cfg.engine.max_num_batched_tokens, max_seqs=cfg.engine.max_num_seqs)
+            for a in range(n_disp)]
     # as the services: the scheduler holds (submit/poll); api-servers place at once (choose)
     batching = hasattr(pols[0], "submit") and (n_disp == 1 or not hasattr(pols[0], "choose"))
     agg = StepAggregator(ranks, grace_s=cfg.grace_ms / 1000.0, min_interval_s=snap_interval)

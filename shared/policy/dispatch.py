@@ -182,6 +182,10 @@ class _LocalViewPolicy:
     def _score(self, v: _RankView) -> float:
         raise NotImplementedError
 
+    def _score_of(self, rank: int, v: _RankView) -> float:
+        """``rank``'s score (a policy with per-rank limits overrides this)."""
+        return self._score(v)
+
     def _pick(self, n: int) -> int:
         scores = self._scores
         best = min(scores)
@@ -206,8 +210,8 @@ class _LocalViewPolicy:
         self._rescore()
 
     def _rescore(self) -> None:
-        views, score = self._views, self._score
-        self._scores = [score(views[r]) for r in self._ranks]
+        views, score = self._views, self._score_of
+        self._scores = [score(r, views[r]) for r in self._ranks]
 
     def _record(self, req: RequestInfo, rank: int, i: int, now: float, reason: str) -> Assignment:
         if now > self._now:
@@ -215,7 +219,7 @@ class _LocalViewPolicy:
         v = self._view(rank)
         seq = v.unseen.send(self._amount(req), 0, now)
         if i >= 0:
-            self._scores[i] = self._score(v)
+            self._scores[i] = self._score_of(rank, v)
         return Assignment(request_id=req.id, rank=rank, reason=reason,
                           dispatcher=self.dispatcher_id, seq=seq)
 

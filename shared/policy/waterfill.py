@@ -18,6 +18,12 @@ moves the queue from here, where any rank can take it, to one rank's inbox. The 
 follows the engines' step size (:func:`level_for` of what the ranks report in their info),
 unless an operator set ``level_tokens``.
 
+Slots too: a rank whose sequence slots are all taken (``max_num_seqs``: running + waiting
+there + this dispatcher's unseen sends) gets nothing, whatever its pending prefill, until one
+frees: a request sent there would only queue behind the full batch while another rank
+admits at once (on ``offline`` at 1.2x, 2,500 requests for 2,048 slots: efficiency 0.931 ->
+0.946). The scheduler learns each rank's ``max_num_seqs`` from its info (:meth:`set_max_seqs`).
+
 Bounds: an unplaced request is released after ``max_hold_s`` whatever the view says (a stale
 or missing snapshot cannot strand it); the unplaced queue is at most ``max_unplaced`` (then
 :class:`BatcherFull`: the caller leaves the request on its stream). Pure: no I/O, no clock.
@@ -36,6 +42,7 @@ from shared.stats import Snapshot
 
 LEVEL_STEPS = 2              # steps of prefill a rank holds (module docstring)
 DEFAULT_STEP_TOKENS = 2048   # EngineSettings.max_num_batched_tokens' default: until a rank reports its own
+FULL = 1e15                  # added to a full rank's score: above any level, below +inf (ties still rotate)
 
 
 def level_for(step_tokens: Iterable[Any] | None) -> int:
@@ -49,9 +56,12 @@ class WaterFill(_LocalViewPolicy):
     name = "waterfill"
 
     def __init__(self, *, level_tokens: int = 4096, max_hold_s: float = 5.0, max_unplaced: int = 65536,
-                 **kw: Any) -> None:
+                 max_seqs: dict[int, int] | int | None = None, **kw: Any) -> None:
         kw.pop("block_size", None)
+        self._max_seqs: dict[int, int] = {}
+        self._all_max_seqs = 0               # every rank's limit, where one number is given
         super().__init__(**kw)
+        self.set_max_seqs(max_seqs)
         if level_tokens < 1 or max_hold_s < 0 or max_unplaced < 1:
             raise ValueError("level_tokens and max_unplaced must be >= 1, max_hold_s >= 0")
         self.level = float(level_tokens)
@@ -68,12 +78,29 @@ class WaterFill(_LocalViewPolicy):
             raise ValueError("level_tokens must be >= 1")
         self.level = float(level_tokens)
 
+    def set_max_seqs(self, max_seqs: dict[int, int] | int | None) -> None:
+        """Each rank's sequence slots (``{rank: max_num_seqs}``, one number for all, or None:
+        unknown, never full)."""
+        if isinstance(max_seqs, dict):
+            self._max_seqs, self._all_max_seqs = {int(r): int(m) for r, m in max_seqs.items() if m}, 0
+        else:
+            self._max_seqs, self._all_max_seqs = {}, int(max_seqs or 0)
+        if self._ranks:
+            self._rescore()
+
     # ---------------------------------------------------------------- score
     def _amount(self, req: RequestInfo) -> float:
         return float(req.prompt_tokens)
 
     def _score(self, v: _RankView) -> float:
         return v.pending + v.unseen.amount * self.scale
+
+    def _score_of(self, rank: int, v: _RankView) -> float:
+        s = self._score(v)
+        limit = self._max_seqs.get(rank, self._all_max_seqs)
+        if limit and v.running + v.waiting + len(v.unseen) * self.scale >= limit:
+            s += FULL    # no free sequence slot: it takes nothing until one frees
+        return s
 
     # ---------------------------------------------------------------- batching protocol
     def submit(self, req: RequestInfo, now: float) -> list[Assignment]:
