@@ -48,6 +48,14 @@ def test_keeps_requests_unplaced_while_every_rank_is_above_the_level_and_release
     assert [(a.request_id, a.rank) for a in out] == [("1", 1), ("2", 1)]
 
 
+def test_equal_pending_prefill_goes_to_the_rank_with_fewer_sequences():
+    p = make_policy("waterfill", ranks=[0, 1, 2], level_tokens=4096)
+    p.on_snapshot(_snap([0, 0, 0], running=[9, 3, 6]))
+    assert [a.rank for a in p.submit(_req(1, prompt=100), 0.0)] == [1]
+    p.on_snapshot(_snap([500, 0, 0], seq=2, running=[0, 9, 6], recv={"scheduler": 1}))
+    assert [a.rank for a in p.submit(_req(2, prompt=100), 0.0)] == [2]   # least pending first, then fewest
+
+
 def test_a_rank_whose_slots_are_full_takes_nothing_until_one_frees():
     p = make_policy("waterfill", ranks=[0, 1, 2], level_tokens=4096, max_hold_s=10.0, max_seqs={0: 4, 1: 4, 2: 8})
     p.on_snapshot(_snap([0, 3000, 3500], running=[4, 3, 7]))   # rank 0 has the least prefill, but no slot
