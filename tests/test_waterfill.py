@@ -80,6 +80,21 @@ def test_an_unplaced_request_is_released_by_the_bound_even_if_the_view_never_cha
     assert [a.rank for a in out] == [0] and p.stats()["released_by_bound"] == 1
 
 
+def test_a_fresh_view_keeps_a_request_unplaced_past_the_bound_and_a_stale_one_releases_it():
+    """Every rank full by a view that keeps coming: sending the request would only queue it
+    behind one rank's batch, so it waits however long; when the snapshots stop, the bound
+    releases it max_hold_s after the last one."""
+    p = make_policy("waterfill", ranks=[0, 1], level_tokens=4096, max_hold_s=2.0, max_seqs=2)
+    p.on_snapshot(_snap([0, 0], running=[2, 2]))
+    assert p.submit(_req(1), 0.0) == []
+    for k, t in enumerate((1.0, 2.0, 3.0, 4.0), start=2):   # a snapshot a second, still full
+        p.on_snapshot(_snap([0, 0], seq=k, running=[2, 2]))
+        assert p.poll(t) == [], t
+    assert p.next_deadline() == pytest.approx(6.0)        # two seconds after the last view
+    assert p.poll(5.9) == []
+    assert [a.rank for a in p.poll(6.0)] == [0] and p.stats()["released_by_bound"] == 1
+
+
 def test_polling_at_next_deadline_always_releases():
     """Regression: poll(next_deadline()) must release the unplaced request. With the bound
     computed as now - t0 >= max_hold_s, float rounding ((t0 + 5) - t0 < 5) kept it unplaced
