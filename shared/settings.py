@@ -187,7 +187,7 @@ class EngineSettings(Settings):
     num_kv_blocks: int = Field(4096, description="KV-cache blocks on the rank.")
     block_size: int = Field(16, description="Tokens per KV block.")
     max_model_len: int = Field(4096, description="Prompt + output tokens per request.")
-    time_scale: float = Field(1.0, description="sim: multiply modeled device time (0 = no device time).")
+    time_scale: float = Field(1.0, description="sim: multiply modeled device time (0 = no device time), and the waits tuned to it (the coordinated prefill's delays and busy window, the staggered gate's timeout): the same group in slow motion.")
     cost_model: str = Field("", description="sim: JSON file with calibrated cost-model constants.")
     request_record_ttl_s: int = Field(600, description="Lifetime of a request record <ns>:req:<id>, refreshed at each write (memory: about 350 bytes x request rate x this; docs/operations.md).")
     heartbeat_ms: int = Field(1000, description="Heartbeat period; the alive key lives 3x this.")
@@ -207,6 +207,13 @@ class EngineSettings(Settings):
     align_busy_capped_steps: int = Field(64, description="Coordinated prefill, busy group: align_max_capped_steps in force while busy.")
     gate_timeout_ms: float = Field(100.0, description="Staggered batches: rank 0 releases a batch whose shares did not all arrive within this.")
     metrics_port: int = Field(0, description="Serve Prometheus metrics (lockstep_engine_*) on this port (a spare: this port + the rank it takes); 0 = off.")
+
+    @property
+    def wait_scale(self) -> float:
+        """What the waits tuned to the device's step time are multiplied by: the sim
+        backend's ``time_scale`` (a device n times slower keeps its waits n steps long, so a
+        slowed-down cluster behaves as the simulator at scale 1), else 1."""
+        return self.time_scale if self.backend == "sim" and self.time_scale > 0 else 1.0
 
 
 ALL_SETTINGS: list[type[Settings]] = [ApiServerSettings, SchedulerSettings, EngineSettings]

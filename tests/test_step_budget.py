@@ -171,3 +171,20 @@ def test_budget_spec_is_selectable_and_baselines_unchanged():
     assert c["policies"]["aligned"]["completed"] == 300
     with pytest.raises(ValueError):
         runner.run(**kw, policies="least_tokens", params={"least_tokens": {"budget.horizon": 2}})
+
+
+def test_the_sim_backends_time_scale_stretches_the_waits_tuned_to_the_device():
+    """A sim cluster run n times slower (lockstep up --time-scale n) keeps its prefill waits n
+    steps long, as the simulator has them at scale 1: a 200 ms wait on an 80 ms step would be
+    2.5 steps instead of 25 (the live benchmark's default ran TTFT-first without this)."""
+    from services.engine_worker.step_budget import from_settings
+    from shared.settings import EngineSettings
+    base = from_settings(EngineSettings(backend="sim"))
+    slow = from_settings(EngineSettings(backend="sim", time_scale=10))
+    assert (slow.min_delay_ms, slow.max_delay_ms, slow.busy_tau_s) == pytest.approx(
+        (10 * base.min_delay_ms, 10 * base.max_delay_ms, 10 * base.busy_tau_s))
+    assert (slow.backlog_steps, slow.max_capped_steps, slow.min_balance) == \
+        (base.backlog_steps, base.max_capped_steps, base.min_balance)       # counted in steps: unscaled
+    for same in (EngineSettings(backend="torch", time_scale=10), EngineSettings(backend="sim", time_scale=0)):
+        assert from_settings(same) == base                                   # a real device; no device time
+    assert EngineSettings(backend="sim", time_scale=10).wait_scale == 10.0

@@ -58,10 +58,11 @@ def from_settings(settings: Any) -> BudgetConfig | None:
     it, so the simulated default is the product's."""
     if not settings.align_tokens:
         return None
-    return BudgetConfig(max_tokens=settings.max_num_batched_tokens, max_delay_ms=settings.align_max_delay_ms,
-                        min_delay_ms=settings.align_min_delay_ms, backlog_steps=settings.align_backlog_steps,
+    k = settings.wait_scale   # the sim backend's slow motion stretches the waits too
+    return BudgetConfig(max_tokens=settings.max_num_batched_tokens, max_delay_ms=settings.align_max_delay_ms * k,
+                        min_delay_ms=settings.align_min_delay_ms * k, backlog_steps=settings.align_backlog_steps,
                         min_balance=settings.align_min_balance, max_capped_steps=settings.align_max_capped_steps,
-                        busy_level=settings.align_busy_level, busy_tau_s=settings.align_busy_window_s,
+                        busy_level=settings.align_busy_level, busy_tau_s=settings.align_busy_window_s * k,
                         busy_backlog_steps=settings.align_busy_backlog_steps,
                         busy_capped_steps=settings.align_busy_capped_steps,
                         step_ms=0.0)

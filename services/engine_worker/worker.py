@@ -70,7 +70,7 @@ class EngineWorker:
             BlockManager(settings.num_kv_blocks, settings.block_size),
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len)
-        gate = BatchGate(rank=max(0, settings.rank), timeout_s=settings.gate_timeout_ms / 1000)
+        gate = BatchGate(rank=max(0, settings.rank), timeout_s=settings.gate_timeout_ms * settings.wait_scale / 1000)
         rs = RankStep(max(0, settings.rank), core, gate, budget_from_settings(settings))
         self.state = RankState(settings.rank, core, gate, rs)
 
