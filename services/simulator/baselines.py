@@ -508,7 +508,7 @@ def _default_spec() -> PolicySpec:
     from services.engine_worker.step_budget import from_settings as budget_from_settings
     from shared.settings import EngineSettings, SchedulerSettings
     pol = SchedulerSettings.model_fields["policy"].default
-    eng = EngineSettings()
+    eng = EngineSettings(time_scale=1.0)   # the simulator's device is its own: no slow motion to follow
     cfg = budget_from_settings(eng)
     # max_tokens comes from the simulated profile's engine, like every other entry's
     budget = None if cfg is None else {k: v for k, v in dataclasses.asdict(cfg).items() if k != "max_tokens"}
