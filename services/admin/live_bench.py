@@ -46,10 +46,12 @@ def _cli(*args: str, env: dict[str, str], timeout: float) -> subprocess.Complete
 class Cluster:
     """One ``lockstep up`` in its own namespace, state dir and port."""
 
-    def __init__(self, name: str, args: list[str], up_args: list[str], workdir: Path) -> None:
+    def __init__(self, name: str, args: list[str], up_args: list[str], workdir: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.name, self.port, self.redis_url = name, free_port(), ""
         self.ns = f"bl{name.replace('_', '')}{os.getpid() % 10000}"
-        self.env = {**os.environ, "LOCKSTEP_STATE_DIR": str(workdir / f"state-{name}"), "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, **(env or {}), "LOCKSTEP_STATE_DIR": str(workdir / f"state-{name}"),
+                    "PYTHONUNBUFFERED": "1"}
         self.env.pop("LOCKSTEP_REDIS_URL", None)
         self.log = open(workdir / f"up-{name}.log", "w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "services.admin.cli", "up", "--port", str(self.port),
@@ -97,8 +99,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.time_scale is not None:
         up_args += ["--time-scale", str(a.time_scale)]
     work = ["--workload", a.workload, "--requests", str(a.requests), "--seed", str(a.seed)]
+    # the engines' and api-servers' limit: the trace is clipped to it, as the simulator's is
+    # to its profile's (the default profile's 20,480 keeps its 16k-token prompts)
+    env = {"LOCKSTEP_MAX_MODEL_LEN": str(a.max_model_len)} if a.max_model_len else {}
     doc: dict[str, Any] = {"ranks": a.ranks, "api_servers": a.api_servers, "backend": a.backend,
-                           "time_scale": a.time_scale,
+                           "time_scale": a.time_scale, "max_model_len": a.max_model_len,
                            "workload": a.workload, "requests": a.requests, "seed": a.seed, "load": a.load,
                            "configs": {k: CONFIGS[k] for k in a.configs}, "capacity_rps": a.capacity,
                            "runs": {}}
@@ -106,7 +111,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         # every cluster up at once and the runs interleaved (run i of each config back to
         # back): the machine's background load then hits every config alike; an idle
         # cluster pauses its group and costs almost nothing while another one runs
-        clusters = [Cluster(name, CONFIGS[name], up_args, Path(tmp)) for name in a.configs]
+        clusters = [Cluster(name, CONFIGS[name], up_args, Path(tmp), env) for name in a.configs]
         try:
             for c in clusters:
                 c.wait_ready()
@@ -172,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=None,
                     help="sim backend: multiply the modeled device time (lockstep up --time-scale), so a "
                          "small machine's CPU overhead does not dominate the step time")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the cluster's max_model_len (LOCKSTEP_MAX_MODEL_LEN); the trace is clipped to it. "
+                         "Default: the sim backend's simulator profile's (20480: the simulator's trace), "
+                         "else the settings' own")
     ap.add_argument("--workload", default="bursty")
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--seed", type=int, default=1)
@@ -182,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write every run's figures here")
     a = ap.parse_args(argv)
     a.configs = [x.strip() for x in a.configs.split(",") if x.strip()]
+    if a.max_model_len is None and a.backend == "sim":
+        from services.simulator.profile import load as load_profile
+        a.max_model_len = load_profile(None).engine.max_model_len
     bad = [x for x in a.configs if x not in CONFIGS]
     if bad:
         ap.error(f"unknown configs {bad}; choose from {', '.join(CONFIGS)}")
@@ -189,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         a.json.write_text(json.dumps(doc, indent=1) + "\n")
     scale = f" (time scale {a.time_scale:g})" if a.time_scale is not None else ""
+    scale += f", max_model_len {a.max_model_len}" if a.max_model_len else ""
     print(f"{a.ranks} ranks x {a.api_servers} api-servers, backend {a.backend}{scale}, {a.workload}, "
           f"{a.requests} requests at {a.load:g} x {doc['capacity_rps']:.2f} requests/s "
           f"(capacity measured on {doc.get('capacity_from', 'given')})\n")
