@@ -57,17 +57,29 @@ def test_equal_pending_prefill_goes_to_the_rank_with_fewer_sequences():
 
 
 def test_a_rank_whose_slots_are_full_takes_nothing_until_one_frees():
+    # queue_room(4) == queue_room(8) == 1: a full rank queues one request, then takes nothing
     p = make_policy("waterfill", ranks=[0, 1, 2], level_tokens=4096, max_hold_s=10.0, max_seqs={0: 4, 1: 4, 2: 8})
-    p.on_snapshot(_snap([0, 3000, 3500], running=[4, 3, 7]))   # rank 0 has the least prefill, but no slot
-    assert [a.rank for a in p.submit(_req(1, prompt=100), 0.0)] == [1]    # rank 1's last slot
+    p.on_snapshot(_snap([0, 3000, 3500], running=[5, 4, 8]))   # rank 0 has the least prefill, but no room
+    assert [a.rank for a in p.submit(_req(1, prompt=100), 0.0)] == [1]    # rank 1's queue room
     assert [a.rank for a in p.submit(_req(2, prompt=100), 0.0)] == [2]    # then rank 2's
-    assert p.submit(_req(3, prompt=100), 0.0) == [] and p.unplaced == 1  # every slot taken or sent
-    p.on_snapshot(_snap([0, 3100, 3600], seq=2, running=[3, 4, 8], recv={"scheduler": 1}))
-    assert [a.rank for a in p.poll(0.1)] == [0]      # a request on rank 0 finished: its slot frees
+    assert p.submit(_req(3, prompt=100), 0.0) == [] and p.unplaced == 1  # every slot and queue taken
+    p.on_snapshot(_snap([0, 3100, 3600], seq=2, running=[4, 5, 9], recv={"scheduler": 1}))
+    assert [a.rank for a in p.poll(0.1)] == [0]      # a request on rank 0 finished: room frees
     # without slot limits the least pending rank takes everything at once
     q = make_policy("waterfill", ranks=[0, 1, 2], level_tokens=4096)
-    q.on_snapshot(_snap([0, 3000, 3500], running=[4, 3, 7]))
+    q.on_snapshot(_snap([0, 3000, 3500], running=[5, 4, 8]))
     assert [a.rank for a in q.submit(_req(1, prompt=100), 0.0)] == [0]
+
+
+def test_a_rank_whose_slots_are_all_taken_still_queues_a_few_so_a_full_group_admits_together():
+    """1/32 of its slots (at least one): a queued request starts the step a slot frees, and
+    the queued prompts are the backlog the step budget sees (waterfill.queue_room)."""
+    from shared.policy.waterfill import queue_room
+    assert [queue_room(n) for n in (1, 4, 64, 128, 512)] == [1, 1, 2, 4, 16]
+    p = make_policy("waterfill", ranks=[0, 1], level_tokens=100_000, max_hold_s=10.0, max_seqs=64)
+    p.on_snapshot(_snap([0, 0], running=[64, 64]))       # every slot taken
+    placed = [a.rank for k in range(6) for a in p.submit(_req(k, prompt=100), 0.0)]
+    assert sorted(placed) == [0, 0, 1, 1] and p.unplaced == 2   # two queued on each, the rest kept here
 
 
 def test_an_unplaced_request_is_released_by_the_bound_even_if_the_view_never_changes():
@@ -85,10 +97,10 @@ def test_a_fresh_view_keeps_a_request_unplaced_past_the_bound_and_a_stale_one_re
     behind one rank's batch, so it waits however long; when the snapshots stop, the bound
     releases it max_hold_s after the last one."""
     p = make_policy("waterfill", ranks=[0, 1], level_tokens=4096, max_hold_s=2.0, max_seqs=2)
-    p.on_snapshot(_snap([0, 0], running=[2, 2]))
+    p.on_snapshot(_snap([0, 0], running=[3, 3]))          # 2 slots + 1 queued each: full
     assert p.submit(_req(1), 0.0) == []
     for k, t in enumerate((1.0, 2.0, 3.0, 4.0), start=2):   # a snapshot a second, still full
-        p.on_snapshot(_snap([0, 0], seq=k, running=[2, 2]))
+        p.on_snapshot(_snap([0, 0], seq=k, running=[3, 3]))
         assert p.poll(t) == [], t
     assert p.next_deadline() == pytest.approx(6.0)        # two seconds after the last view
     assert p.poll(5.9) == []
