@@ -134,6 +134,7 @@ class ApiServerSettings(Settings):
     max_model_len: int = Field(4096, description="Prompt + output tokens per request.")
     max_body_bytes: int = Field(1 << 20, description="Largest request body accepted (413 above).")
     max_inflight: int = Field(4096, description="Requests in flight per replica before 429.")
+    max_queue_wait_s: float = Field(60.0, ge=0, description="429 (with Retry-After) while the scheduler's longest-waiting unplaced request has waited longer than this: above capacity TTFT stays near this bound instead of growing with the queue (0 = off; docs/operations.md, Overload).")
     request_timeout_s: float = Field(600.0, description="Longest a request may wait for its tokens.")
     # A comma list in the environment (pydantic-settings would read a list as JSON).
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Accepted API keys (comma list); empty = no auth.")

@@ -114,6 +114,50 @@ def test_burst_of_10000_against_a_small_queue(tmp_path):
         cluster.stop()
 
 
+def test_queue_wait_bound_answers_429_with_retry_after_and_loses_nothing(tmp_path):
+    """Above capacity the scheduler keeps requests unplaced; once the oldest has waited
+    longer than max_queue_wait_s, new requests get 429 with Retry-After (the TTFT bound),
+    every accepted request still completes, and admission resumes once the queue drains."""
+    env = {"LOCKSTEP_MAX_QUEUE_WAIT_S": "1", "LOCKSTEP_MAX_NUM_SEQS": "2"}
+    os.environ.update(env)
+    try:   # 2 ranks x (2 slots + 1 queued): the rest of the burst waits in the scheduler
+        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim")
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+    body = {"model": MODEL, "prompt": "queue", "max_tokens": 120, "ignore_eos": True}
+    probe = {"model": MODEL, "prompt": "probe", "max_tokens": 1, "ignore_eos": True}
+
+    async def scenario() -> tuple[list[httpx.Response], httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=cluster.api_url, timeout=120) as client:
+            burst = [asyncio.create_task(client.post("/completions", json=body)) for _ in range(30)]
+
+            async def refused() -> httpx.Response | None:
+                try:   # an admitted probe waits in the queue too: give up on it quickly
+                    r = await asyncio.wait_for(client.post("/completions", json=probe), 0.5)
+                except asyncio.TimeoutError:
+                    return None
+                return r if r.status_code == 429 else None
+            rejected = await wait_until(refused, timeout=60, interval=0.2)
+            done = await asyncio.wait_for(asyncio.gather(*burst), 120)
+
+            async def admitted() -> httpx.Response | None:
+                r = await client.post("/completions", json=probe)
+                return r if r.status_code == 200 else None
+            return done, rejected, await wait_until(admitted, timeout=30, interval=0.2)
+
+    try:
+        done, rejected, again = asyncio.run(scenario())
+        err = rejected.json()["error"]
+        assert err["code"] == "overloaded" and "max_queue_wait_s" in err["message"], err
+        assert 1 <= int(rejected.headers["retry-after"]) <= 60
+        assert [r.status_code for r in done] == [200] * 30
+        assert all(r.json()["usage"]["completion_tokens"] == 120 for r in done)
+        assert again.json()["usage"]["completion_tokens"] == 1
+    finally:
+        cluster.stop()
+
+
 def test_api_keys(tmp_path):
     os.environ["LOCKSTEP_API_KEYS"] = "key-one,key-two"
     try:

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response, StreamingResponse
 
+from services.api_server.admission import admit
 from services.api_server.errors import ApiError, error_response
 from services.api_server.gateway import Gateway, RequestChannel, client_policy
 from services.api_server.choice import feed as _feed, final, prompt_part, text_tokens as _text_tokens
@@ -255,10 +256,12 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                 new = sorted(set(parsed.ignored) - warned)
                 warned.update(new)
                 log.warning("unknown_fields_ignored", fields=new, endpoint=endpoint)
-            if len(gw.channels) >= settings.max_inflight:
-                metrics.rejected.inc()
-                raise ApiError(429, f"server busy: {settings.max_inflight} requests in flight on this replica; "
-                               "retry after the Retry-After delay", code="overloaded", headers={"Retry-After": "1"})
+            if not parsed.multi:   # (run_multi checks its n choices itself)
+                try:
+                    admit(gw, settings)
+                except ApiError:
+                    metrics.rejected.inc()
+                    raise
             resp = await _run(request, parsed, gw)
         except ApiError as exc:
             metrics.requests.labels(endpoint, str(exc.status)).inc()

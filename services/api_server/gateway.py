@@ -23,6 +23,8 @@ from shared.wake import wake_if_paused
 from shared import trace
 
 
+HEARTBEAT_S = 1.0
+QUEUE_VIEW_FRESH_S = 5.0     # an older queue figure is no figure (the scheduler stopped publishing)
 FOLLOW_BACKOFF_MIN_S = 0.1   # snapshot follower: first retry after a lost connection
 FOLLOW_BACKOFF_MAX_S = 5.0   # ... doubling up to this
 
@@ -91,6 +93,16 @@ class RequestChannel:
             self.event.set()
 
 
+def queue_wait_s(wait_ms: Any, at: Any, now: float) -> float | None:
+    """The scheduler's published queue wait in seconds, or None when it is missing or older
+    than ``QUEUE_VIEW_FRESH_S`` (then admission falls back to the in-flight bound alone)."""
+    try:
+        wait, t = float(wait_ms), float(at)
+    except (TypeError, ValueError):
+        return None
+    return wait / 1000.0 if now - t <= QUEUE_VIEW_FRESH_S else None
+
+
 def client_policy(settings: Any, api_id: str) -> Any:
     """The policy a replica dispatches with in client-dispatch mode (None otherwise).
     Its dispatcher id carries the replica's incarnation (``api_id`` is per process)."""
@@ -119,6 +131,7 @@ class Gateway:
         self.num_ranks = 1
         self.redis_ok = True
         self.run_id = ""
+        self.queue_wait_s: float | None = None   # the scheduler's queue, as of the last heartbeat
 
     async def start(self) -> None:
         self.run_id = await server_run_id(self.r, self.keys.dataset)
@@ -310,12 +323,18 @@ class Gateway:
                 ch.fail("the cluster's Redis server restarted and lost this request")
 
     async def _heartbeat(self) -> None:
+        """Once a second, in one round trip: this replica's heartbeat, and how long the
+        scheduler's oldest unplaced request has waited (the admission bound's input)."""
         while True:
             try:
-                await self.r.set(self.keys.api_alive(self.api_id), str(time.time()), px=3000)
+                pipe = self.r.pipeline(transaction=False)
+                pipe.set(self.keys.api_alive(self.api_id), str(time.time()), px=3000)
+                pipe.hmget(self.keys.snapshot, "queue_wait_ms", "queue_at")
+                _, (wait_ms, at) = await pipe.execute()
+                self.queue_wait_s = queue_wait_s(wait_ms, at, time.time())
             except Exception:  # noqa: BLE001
-                pass
-            await asyncio.sleep(1.0)
+                self.queue_wait_s = None
+            await asyncio.sleep(HEARTBEAT_S)
 
     async def _follow_snapshots(self) -> None:
         """Feed each published snapshot to this replica's policy (client dispatch) and to

@@ -21,6 +21,7 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 
 from services.api_server.choice import StreamChoice, final
+from services.api_server.admission import admit
 from services.api_server.errors import ApiError
 from services.api_server.gateway import Gateway, RequestChannel
 from services.api_server.protocol import ParsedRequest
@@ -87,11 +88,11 @@ def _visible(p: ParsedRequest) -> ParsedRequest:
 async def run_multi(request: Any, p: ParsedRequest, gw: Gateway, rid: str, api_id: str, settings: Any,
                     metrics: Any) -> Response:
     subs = plan(p, rid)
-    if len(gw.channels) + len(subs) > settings.max_inflight:
+    try:
+        admit(gw, settings, len(subs))
+    except ApiError:
         metrics.rejected.inc()
-        raise ApiError(429, f"server busy: this request needs {len(subs)} of {settings.max_inflight} in-flight "
-                       "slots on this replica; retry after the Retry-After delay", code="overloaded",
-                       headers={"Retry-After": "1"})
+        raise
     now = time.time()
     for s in subs:
         req = Request(id=s.rid, api=api_id, prompt=s.prompt, params=sub_params(p, s.j), arrival=now, rank=p.rank)

@@ -14,6 +14,14 @@ from shared.messages import FIELD, encode
 from shared.stats import RankStats, Snapshot
 
 
+def queue_wait_ms(policy: Any, now: float) -> int:
+    """How long the longest-waiting unplaced request has waited here (0 when none): the
+    api-servers answer 429 while it is above their ``max_queue_wait_s``."""
+    oldest = getattr(policy, "oldest_unplaced", None)
+    t = oldest() if oldest is not None else None
+    return 0 if t is None else max(0, int((now - t) * 1000))
+
+
 class StepPublisher:
     """Writes ``state.last_snapshot`` and the ``snapshots`` counter."""
 
@@ -53,8 +61,10 @@ class StepPublisher:
             pipe.xadd(self.keys.steps, {FIELD: blob}, maxlen=K.STATS_STREAM_MAXLEN, approximate=True)
         newest = snaps[-1]
         blob = encode(newest)
+        now = time.time()
         pipe.hset(self.keys.snapshot, mapping={"json": blob, "seq": newest.seq, "wave": newest.wave,
-                                               "step": newest.step, "t": newest.t})
+                                               "step": newest.step, "t": newest.t,
+                                               "queue_wait_ms": queue_wait_ms(st.policy, now), "queue_at": now})
         pipe.publish(self.keys.snapshot, blob)
         st.last_snapshot = newest
         st.counters["snapshots"] += len(snaps)

@@ -75,5 +75,9 @@ class BatchingPolicy(Protocol):
     def drop(self, request_id: str) -> bool:
         """Forget an unplaced request (its client aborted); True if it was here."""
 
+    def oldest_unplaced(self) -> float | None:
+        """The ``now`` the longest-waiting unplaced request was submitted at, or None when
+        none waits (the api-servers' admission bound reads how long that is)."""
+
     def note_explicit(self, req: RequestInfo, rank: int, now: float) -> Assignment:
         """Record a request whose rank was fixed by the client (data_parallel_rank)."""

@@ -116,6 +116,9 @@ class StaggeredBatcher:
     def unplaced(self) -> int:
         return len(self._unplaced)
 
+    def oldest_unplaced(self) -> float | None:
+        return self._unplaced[0].t if self._unplaced else None
+
     @property
     def hold_ms_mean(self) -> float:
         return self._hold_ms_sum / self.requests_released if self.requests_released else 0.0

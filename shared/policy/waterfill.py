@@ -159,6 +159,9 @@ class WaterFill(_LocalViewPolicy):
     def unplaced(self) -> int:
         return len(self._queue)
 
+    def oldest_unplaced(self) -> float | None:
+        return self._queue[0][1] if self._queue else None
+
     def stats(self) -> dict[str, Any]:
         return {"unplaced": len(self._queue), "released": self.released,
                 "released_by_bound": self.released_by_bound,

@@ -1,0 +1,37 @@
+"""Admission: answer 429 with Retry-After before the queue grows past what a client accepts.
+
+Two bounds, both settings of the api-server: ``max_queue_wait_s`` — while the scheduler's
+longest-waiting unplaced request has waited longer than this (as it publishes with each
+snapshot, read once a second by the replica's heartbeat), a new request would only wait
+longer still, so it is refused; and ``max_inflight`` — requests in flight on this replica.
+Above capacity the first bound holds TTFT near ``max_queue_wait_s`` plus the prefill, where
+the second alone would let it grow to ``replicas x max_inflight / capacity``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from services.api_server.errors import ApiError
+
+MAX_RETRY_AFTER_S = 60
+
+
+def admit(gw: Any, settings: Any, need: int = 1) -> None:
+    """Raise the 429 for a request that needs ``need`` in-flight slots, if it must wait."""
+    wait, bound = gw.queue_wait_s, settings.max_queue_wait_s
+    if bound > 0 and wait is not None and wait > bound:
+        raise ApiError(429, f"server busy: requests are waiting {wait:.0f} s in the scheduler's queue, longer than "
+                       f"this server's max_queue_wait_s ({bound:g} s); retry after the Retry-After delay",
+                       code="overloaded", headers={"Retry-After": str(retry_after_s(wait, bound))})
+    if len(gw.channels) + need > settings.max_inflight:
+        what = f"{settings.max_inflight} requests in flight" if need == 1 else \
+            f"this request needs {need} of {settings.max_inflight} in-flight slots"
+        raise ApiError(429, f"server busy: {what} on this replica; retry after the Retry-After delay",
+                       code="overloaded", headers={"Retry-After": "1"})
+
+
+def retry_after_s(wait_s: float, bound_s: float) -> int:
+    """Whole seconds until the queue's head is likely back under the bound (it waits no
+    longer once new requests stop joining): the excess, 1 to ``MAX_RETRY_AFTER_S``."""
+    return max(1, min(MAX_RETRY_AFTER_S, math.ceil(wait_s - bound_s)))

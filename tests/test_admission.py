@@ -1,0 +1,59 @@
+"""The api-server's admission bounds (services/api_server/admission.py), pure parts: the
+live 429 is tests/test_faults.py::test_queue_wait_bound_answers_429_with_retry_after_and_loses_nothing."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from services.api_server.admission import admit, retry_after_s
+from services.api_server.errors import ApiError
+from services.api_server.gateway import QUEUE_VIEW_FRESH_S, queue_wait_s
+from services.scheduler.step_publisher import queue_wait_ms
+from shared.policy.base import RequestInfo
+from shared.policy.registry import make_policy
+from shared.stats import RankStats, Snapshot
+
+
+def _gw(wait, inflight=0):
+    return SimpleNamespace(queue_wait_s=wait, channels=dict.fromkeys(range(inflight)))
+
+
+def _settings(bound=10.0, inflight=100):
+    return SimpleNamespace(max_queue_wait_s=bound, max_inflight=inflight)
+
+
+def test_a_queue_older_than_the_bound_is_refused_with_the_excess_as_retry_after():
+    admit(_gw(9.5), _settings())                       # under the bound: admitted
+    with pytest.raises(ApiError) as e:
+        admit(_gw(13.2), _settings())
+    assert e.value.status == 429 and e.value.code == "overloaded"
+    assert "max_queue_wait_s" in e.value.message and e.value.headers == {"Retry-After": "4"}
+    admit(_gw(500.0), _settings(bound=0))             # 0: the bound is off
+    admit(_gw(None), _settings())                      # no fresh figure: only the in-flight bound
+
+
+def test_the_in_flight_bound_counts_every_choice_of_a_request():
+    admit(_gw(0.0, inflight=98), _settings(), need=2)
+    with pytest.raises(ApiError) as e:
+        admit(_gw(0.0, inflight=98), _settings(), need=3)
+    assert "needs 3 of 100" in e.value.message and e.value.headers == {"Retry-After": "1"}
+
+
+def test_retry_after_is_whole_seconds_between_one_and_a_minute():
+    assert [retry_after_s(w, 10.0) for w in (10.01, 10.5, 12.0, 12.1, 1000.0)] == [1, 1, 2, 3, 60]
+
+
+def test_a_stale_or_missing_queue_figure_is_no_figure():
+    assert queue_wait_s(b"2500", b"100.0", 100.0 + QUEUE_VIEW_FRESH_S) == 2.5
+    assert queue_wait_s(b"2500", b"100.0", 100.1 + QUEUE_VIEW_FRESH_S) is None
+    assert queue_wait_s(None, None, 100.0) is None and queue_wait_s(b"x", b"1", 1.0) is None
+
+
+def test_the_scheduler_publishes_how_long_its_oldest_unplaced_request_has_waited():
+    p = make_policy("waterfill", ranks=[0], level_tokens=100, max_hold_s=60.0)
+    ranks = {0: RankStats(0, 0, 1, prefill_pending=5000)}
+    p.on_snapshot(Snapshot(0, 1, 0.0, ranks, seq=1))   # above the level: requests stay unplaced
+    assert queue_wait_ms(p, 10.0) == 0
+    assert p.submit(RequestInfo("a", 100, 16, 3.0), 3.0) == [] and p.submit(RequestInfo("b", 100, 16, 4.0), 4.0) == []
+    assert queue_wait_ms(p, 10.0) == 7000              # the oldest, not the newest
+    assert queue_wait_ms(make_policy("least_score", ranks=[0]), 10.0) == 0   # places at once: no queue
