@@ -24,17 +24,17 @@ floor, so this evens the decode batches (32 ranks, onoff at load 1.0: the busies
 decodes 12.5 -> 10.5 a step against a mean of 7.8).
 
 Slots too: a rank whose sequence slots are all taken (``max_num_seqs``: running + waiting
-there + this dispatcher's unseen sends) takes only a short queue (:func:`queue_room`: 1/32 of
-its slots, at least one) and then nothing, whatever its pending prefill, until one frees: more
-would only wait behind its full batch while another rank admits at once. The short queue is
-what lets a full group admit together: a rank starts a queued request the step a slot frees,
-with no dispatch round trip, and the queued prompts are the pending prefill the step budget
-sees, so a group whose every slot is taken turns busy and starts them in shared steps. With
-none queued (all held here), each freed slot started one prompt alone while the others
-decoded: on the ``blog`` workload (``deepseek-v3-gb200``, 6,000 requests for 4,096 slots)
-26,184-26,333 tok/s and TTFT p99 230-233 s with a queue of 1 to 1/32 of the slots, against
-23,859 tok/s and 312 s with none. The scheduler learns each rank's ``max_num_seqs`` from its
-info (:meth:`set_max_seqs`).
+there + this dispatcher's unseen sends) takes one more request to queue (``QUEUE_ROOM``) and
+then nothing, whatever its pending prefill, until one frees: more would only wait behind its
+full batch while another rank admits at once. That one queued request is what lets a full
+group admit together: a rank starts it the step a slot frees, with no dispatch round trip,
+and the queued prompts are the pending prefill the step budget sees, so a group whose every
+slot is taken turns busy and starts them in shared steps. With none queued (all held here),
+each freed slot started one prompt alone while the others decoded: on the ``blog`` workload
+(``deepseek-v3-gb200``, 6,000 requests for 4,096 slots) 23,859 tok/s and TTFT p99 312 s,
+against 26,184 tok/s and 233 s with one queued (26,123-26,333 tok/s and 229-231 s with 4-51
+queued; on ``offline`` at 1.0x, 2,000 slots, 4 queued raised TTFT p99 from 5.5 to 6.3 s).
+The scheduler learns each rank's ``max_num_seqs`` from its info (:meth:`set_max_seqs`).
 
 Bounds: a fresh view is trusted however long a request waits on it, since every rank
 above the level or out of slots is exactly when sending it would only move the wait into
@@ -61,13 +61,8 @@ from shared.stats import Snapshot
 LEVEL_STEPS = 2              # steps of prefill a rank holds (module docstring)
 DEFAULT_STEP_TOKENS = 2048   # EngineSettings.max_num_batched_tokens' default: until a rank reports its own
 FULL = 1e15                  # added to a full rank's score: above any level, below +inf (ties still rotate)
-QUEUE_FRACTION = 32         # a full rank queues 1/32 of its slots (queue_room)
+QUEUE_ROOM = 1              # requests a rank whose slots are all taken may still queue
 SEQ_TIE_BREAK = 1e-3         # per sequence on the rank: equal pending prefill goes to the rank with fewer
-
-
-def queue_room(max_seqs: int) -> int:
-    """Requests a rank whose slots are all taken may still queue (module docstring)."""
-    return max(1, max_seqs // QUEUE_FRACTION)
 
 
 def level_for(step_tokens: Iterable[Any] | None) -> int:
@@ -126,8 +121,8 @@ class WaterFill(_LocalViewPolicy):
     def _score_of(self, rank: int, v: _RankView) -> float:
         s = self._score(v)
         limit = self._max_seqs.get(rank, self._all_max_seqs)
-        if limit and v.running + v.waiting + len(v.unseen) * self.scale >= limit + queue_room(limit):
-            s += FULL    # slots taken and its short queue full: it takes nothing until one frees
+        if limit and v.running + v.waiting + len(v.unseen) * self.scale >= limit + QUEUE_ROOM:
+            s += FULL    # slots taken and one queued: it takes nothing until one frees
         return s
 
     # ---------------------------------------------------------------- batching protocol
