@@ -23,3 +23,13 @@ def test_merge_replaces_the_rerun_policies_and_keeps_the_others():
 def test_merge_refuses_different_load_points():
     with pytest.raises(ValueError, match="different load points"):
         merge(_sweep([0.5, 1.0], {"a": [1, 1]}), _sweep([0.5], {"a": [1]}))
+
+
+def test_a_sweep_on_another_profile_names_it_in_its_command():
+    from services.simulator.bench_table import cmd
+    doc = {"config": {"ranks": 16, "api_servers": 4, "workload": "poisson", "requests": 2000, "seed": 1,
+                      "dispatch": "each system's own", "profile": "deepseek-v3-gb200"},
+           "points": [{"load": 0.5}, {"load": 1.0}]}
+    assert "--sweep 0.5,1 --profile deepseek-v3-gb200 --policies" in cmd(doc)
+    doc["config"]["profile"] = "default"
+    assert "--profile" not in cmd(doc)

@@ -1,6 +1,7 @@
 """Regenerate docs/benchmarks.md (``scripts/bench-table``): load sweeps of every workload
 in each system's own deployment, the same in both uniform deployments, the goals check,
-and one PNG per workload (docs/img/sweep-WORKLOAD.png).
+the own-deployment sweeps again on the other bundled device profiles (``OTHER_PROFILES``),
+and one PNG per sweep (docs/img/sweep-WORKLOAD.png, sweep-PROFILE-WORKLOAD.png).
 
 ``scripts/bench-table --quick`` runs a small version (for a look, not for the page);
 ``scripts/bench-table --only default`` re-runs only the default's rows (after a change to it)
@@ -29,12 +30,13 @@ POLICIES = ("default,least_score,vllm,sglang_total_requests,sglang_total_tokens,
             "trtllm_adp_placement_only,trtllm_adp_ctx_wait,trtllm_adp_balance,fastdeploy_staggered_pr")
 NOT_GOALS = {"fastdeploy_staggered_pr"}     # a reconstruction of unmerged work: reported, never a goal
 RANKS, API_SERVERS, REQUESTS, SEED = 16, 4, 2000, 1
+OTHER_PROFILES = ("deepseek-v3-gb200",)   # the own-deployment sweeps again on these device profiles
 
 
-def _run(args: tuple[str, str | None, tuple[float, ...], int, int, int, str]) -> dict[str, Any]:
-    workload, dispatch, loads, ranks, api, requests, policies = args
+def _run(args: tuple[str, str | None, tuple[float, ...], int, int, int, str, str | None]) -> dict[str, Any]:
+    workload, dispatch, loads, ranks, api, requests, policies, profile = args
     return sweep.load_sweep(list(loads), ranks=ranks, api_servers=api, workload=workload,
-                            requests=requests, seed=SEED, policies=policies, dispatch=dispatch)
+                            requests=requests, seed=SEED, policies=policies, dispatch=dispatch, profile=profile)
 
 
 def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -51,8 +53,9 @@ def cmd(doc: dict[str, Any]) -> str:
     c = doc["config"]
     loads = ",".join(f"{p['load']:g}" for p in doc["points"])
     d = "" if c["dispatch"] == "each system's own" else f" --dispatch {c['dispatch']}"
+    prof = "" if c.get("profile", "default") == "default" else f" --profile {c['profile']}"
     return (f"lockstep simulate --ranks {c['ranks']} --api-servers {c['api_servers']} --workload {c['workload']} "
-            f"--requests {c['requests']} --seed {c['seed']} --sweep {loads}{d} --policies {POLICIES}")
+            f"--requests {c['requests']} --seed {c['seed']} --sweep {loads}{d}{prof} --policies {POLICIES}")
 
 
 def _cell(m: dict[str, Any]) -> str:
@@ -134,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--from-json", action="store_true",
                     help="re-render the page from docs/benchmarks.json (no simulation)")
+    ap.add_argument("--profile", choices=OTHER_PROFILES,
+                    help="run only this profile's sweeps (with --only: only those policies) and merge them into "
+                         "docs/benchmarks.json; every other section stays as it was")
     ap.add_argument("--only", metavar="POLICIES",
                     help="re-run only these policies (comma-separated, e.g. default after changing it) and "
                          "merge them into docs/benchmarks.json; the other rows stay as they were")
@@ -141,48 +147,80 @@ def main(argv: list[str] | None = None) -> None:
     if a.from_json:
         data = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
         both = {tuple(k.split(":", 1)): v for k, v in data["uniform"].items()}
-        write_page(data["own"], both, data.get("wall_s", 0.0), data.get("rerun"))
+        write_page(data["own"], both, data.get("wall_s", 0.0), data.get("rerun"), data.get("profiles"))
         return
     ranks, api, req = (8, 2, 600) if a.quick else (RANKS, API_SERVERS, REQUESTS)
     loads = (0.5, 1.0, 1.5) if a.quick else LOADS
     policies = a.only or POLICIES
-    jobs = [(w, None, loads, ranks, api, req, policies) for w in WORKLOADS]
-    jobs += [(w, d, CHECK_LOADS, ranks, api, req, policies) for w in WORKLOADS for d in ("scheduler", "client")]
+    jobs = [] if a.profile else [(w, None, loads, ranks, api, req, policies, None) for w in WORKLOADS]
+    if not a.profile:
+        jobs += [(w, d, CHECK_LOADS, ranks, api, req, policies, None) for w in WORKLOADS for d in ("scheduler", "client")]
+    if not a.quick:
+        jobs += [(w, None, loads, ranks, api, req, policies, prof)
+                 for prof in ([a.profile] if a.profile else OTHER_PROFILES) for w in WORKLOADS]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as ex:
         results = list(ex.map(_run, jobs))
     wall = time.perf_counter() - t0
-    own = {j[0]: r for j, r in zip(jobs, results) if j[1] is None}
+    own = {j[0]: r for j, r in zip(jobs, results) if j[1] is None and j[7] is None}
     both = {(j[0], j[1]): r for j, r in zip(jobs, results) if j[1] is not None}
+    profiles: dict[str, dict[str, Any]] = {}
+    for j, r in zip(jobs, results):
+        if j[7] is not None:
+            profiles.setdefault(j[7], {})[j[0]] = r
     if a.quick:
         for w, doc in own.items():
             print(f"## {w}\n{sweep_markdown(doc)}\n" + "\n".join(goal_lines(doc)) + "\n")
         print(check_markdown(both))
         return
     rerun = None
-    if a.only:
+    if a.profile:   # one profile's sweeps, into the last full run (the other sections stand)
+        data = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
+        old = (data.get("profiles") or {}).get(a.profile, {})
+        profiles = {**(data.get("profiles") or {}),
+                    a.profile: {w: merge(old[w], doc) if a.only else doc for w, doc in profiles[a.profile].items()}}
+        own, both = data["own"], {tuple(k.split(":", 1)): v for k, v in data["uniform"].items()}
+        rerun, wall = data.get("rerun"), data.get("wall_s", 0.0)
+    elif a.only:
         data = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
         own = {w: merge(data["own"][w], doc) for w, doc in own.items()}
         both = {k: merge(data["uniform"][f"{k[0]}:{k[1]}"], doc) for k, doc in both.items()}
+        old_profiles = data.get("profiles") or {}
+        profiles = {prof: {w: merge(old_profiles[prof][w], doc) for w, doc in docs.items()}
+                    for prof, docs in profiles.items()}
         rerun = {"policies": a.only, "wall_s": wall}
         wall = data.get("wall_s", 0.0)
     (ROOT / "docs" / "benchmarks.json").write_text(json.dumps(
-        {"own": own, "uniform": {f"{k[0]}:{k[1]}": v for k, v in both.items()}, "wall_s": wall, "rerun": rerun}))
-    write_page(own, both, wall, rerun)
+        {"own": own, "uniform": {f"{k[0]}:{k[1]}": v for k, v in both.items()}, "profiles": profiles,
+         "wall_s": wall, "rerun": rerun}))
+    write_page(own, both, wall, rerun, profiles)
 
 
-def write_page(own: dict[str, Any], both: dict[tuple, Any], wall: float, rerun: dict | None = None) -> None:
+def _sweep_section(w: str, doc: dict[str, Any], img: str) -> str:
+    cap = doc["capacity"]["requests_per_s"]
+    return (f"### {w}\n\n`{cmd(doc)}`\n\ncapacity {cap:.1f} requests/s; each cell: efficiency vs ideal / "
+            f"TTFT p99 / ITL p99 ms.\n\n" + sweep_markdown(doc) +
+            f"\n\n![{w} sweep](img/{img})\n\nThe default against the peers (goals of issue #13):\n\n" +
+            "\n".join(goal_lines(doc)) + "\n")
+
+
+def write_page(own: dict[str, Any], both: dict[tuple, Any], wall: float, rerun: dict | None = None,
+               profiles: dict[str, dict[str, Any]] | None = None) -> None:
     from services.simulator.plot import plot_sweep
     IMG.mkdir(parents=True, exist_ok=True)
     sections = []
     for w, doc in own.items():
         plot_sweep(doc, IMG / f"sweep-{w}.png")
-        cap = doc["capacity"]["requests_per_s"]
-        sections.append(
-            f"### {w}\n\n`{cmd(doc)}`\n\ncapacity {cap:.1f} requests/s; each cell: efficiency vs ideal / "
-            f"TTFT p99 / ITL p99 ms.\n\n" + sweep_markdown(doc) +
-            f"\n\n![{w} sweep](img/sweep-{w}.png)\n\nThe default against the peers (goals of issue #13):\n\n" +
-            "\n".join(goal_lines(doc)) + "\n")
+        sections.append(_sweep_section(w, doc, f"sweep-{w}.png"))
+    others = []
+    for prof, docs in (profiles or {}).items():
+        part = [f"## The same sweeps on the `{prof}` profile\n\nEvery system in its own deployment, as above, "
+                f"on the `{prof}` device profile (services/simulator/profiles/{prof}.json: its engine limits and "
+                "step cost; [calibration.md](calibration.md)).\n"]
+        for w, doc in docs.items():
+            plot_sweep(doc, IMG / f"sweep-{prof}-{w}.png")
+            part.append(_sweep_section(f"{w} ({prof})", doc, f"sweep-{prof}-{w}.png"))
+        others.append("\n".join(part))
     head = (ROOT / "services" / "simulator" / "benchmarks_head.md").read_text()
     tail = (ROOT / "services" / "simulator" / "benchmarks_tail.md").read_text()
     OUT.write_text(head + "\n## Load sweeps, each system in its own deployment\n\n" + "\n".join(sections) +
@@ -190,7 +228,8 @@ def write_page(own: dict[str, Any], both: dict[tuple, Any], wall: float, rerun: 
                    "view (`--dispatch scheduler`), then as every api-server deciding from a 100 ms view "
                    "(`--dispatch client`; lockstep's api-servers place at once in that mode). Commands: the "
                    "sweep commands above with `--sweep 0.5,1,1.5 --dispatch scheduler|client`.\n\n" +
-                   check_markdown(both) + "\n\n" + tail + f"\n\n_Generated in {wall / 60:.0f} min on 2 cores._" +
+                   check_markdown(both) + "\n\n" + "".join(o + "\n" for o in others) + tail +
+                   f"\n\n_Generated in {wall / 60:.0f} min on 2 cores._" +
                    (f" _Rows of {rerun['policies']} re-run since (`scripts/bench-table --only {rerun['policies']}`, "
                     f"{rerun['wall_s'] / 60:.0f} min)._" if rerun else "") + "\n")
     print(f"wrote {OUT} ({wall:.0f} s)", file=sys.stderr)
