@@ -185,6 +185,8 @@ def test_the_sim_backends_time_scale_stretches_the_waits_tuned_to_the_device():
         (10 * base.min_delay_ms, 10 * base.max_delay_ms, 10 * base.busy_tau_s))
     assert (slow.backlog_steps, slow.max_capped_steps, slow.min_balance) == \
         (base.backlog_steps, base.max_capped_steps, base.min_balance)       # counted in steps: unscaled
+    # the waits in full steps: the measured step is already slow, so they scale by themselves
+    assert (slow.min_delay_steps, slow.max_delay_steps) == (base.min_delay_steps, base.max_delay_steps) == (1.5, 23.0)
     for same in (EngineSettings(backend="torch", time_scale=10), EngineSettings(backend="sim", time_scale=0)):
         assert from_settings(same) == base                                   # a real device; no device time
     assert EngineSettings(backend="sim", time_scale=10).wait_scale == 10.0

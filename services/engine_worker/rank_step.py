@@ -22,6 +22,7 @@ from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
 from services.engine_worker.step_view import (F_ALIGN, F_BUSY, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST,
                                              F_QUEUED, F_RELEASE, F_TOKENS, Action, StepView)
 from services.engine_worker.sequence import Sequence
+from services.engine_worker.step_clock import StepClock
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, must_tokens,
                                                 shared_budget, trim_plan)
 
@@ -41,10 +42,15 @@ class RankStep:
         self.capped_steps = 0                     # consecutive steps the budget capped this rank's prefill
         self.backlog = 0.0                        # prefill pending on the other ranks, in full steps (last view)
         self.meter = BusyMeter(budget.busy_level, budget.busy_tau_s) if budget is not None else None
+        self.clock = StepClock(budget.max_tokens) if budget is not None else None
+        self.step_tokens = 0                      # the busiest rank's tokens in the step last decided
 
     def note_step(self, dur_ms: float) -> None:
-        """The step that just ran took ``dur_ms`` (deadlines plan with it)."""
+        """The step that just ran took ``dur_ms`` (deadlines plan with it, and the waits
+        follow what a full step costs)."""
         self.last_step_ms = dur_ms
+        if self.clock is not None:
+            self.clock.observe(self.step_tokens, dur_ms)
 
     def arrived(self, seq: Sequence, now_s: float) -> None:
         """``seq`` was queued on this rank (after ``core.add`` accepted it)."""
@@ -95,10 +101,12 @@ class RankStep:
                         break
         queued = sum(p for _, p in pending)
         cfg = self.budget
-        # a prefill may wait for company min_delay_ms, longer in proportion to the prefill
+        # a prefill may wait for company min_delay, longer in proportion to the prefill
         # pending on the other ranks (what it could share a balanced step with)
-        delay = (max(cfg.min_delay_ms, cfg.max_delay_ms * min(1.0, self.backlog / self._backlog_steps()))
-                 if cfg.min_balance > 0 else None)
+        delay = None
+        if cfg.min_balance > 0:
+            lo, hi = self.delays_ms()
+            delay = max(lo, hi * min(1.0, self.backlog / self._backlog_steps()))
         return must_tokens(plan.decode_tokens, pending, now_ms, self.last_step_ms, cfg, delay), queued
 
     def decide(self, plan: StepPlan, view: StepView, now_s: float) -> tuple[Action, int]:
@@ -123,6 +131,10 @@ class RankStep:
             if plan.dropped and plan.admitted:   # capped to nothing: release their KV too
                 gone = set(plan.dropped)
                 self.core.unadmit([q for q in plan.admitted if q.id in gone])
+        mx = view.memo.get("max_tokens")
+        if mx is None:   # the busiest rank's tokens: what this step's duration is measured against
+            mx = view.memo["max_tokens"] = max(view.column(F_TOKENS), default=0)
+        self.step_tokens = mx
         released = 0
         gate = self.gate
         held = view.memo.get("held")
@@ -133,6 +145,15 @@ class RankStep:
                                            view.rows[0][F_RELEASE], now_s)
             gate.forget_done({batch_number(q.batch) for q in self.core.waiting if q.held})
         return view.action(self.rank), released
+
+    def delays_ms(self) -> tuple[float, float]:
+        """(min, max) wait for company in ms: in full-step times once a full step is
+        measured, the configured ms until then (or where no wait is set in steps)."""
+        cfg = self.budget
+        full = self.clock.full_step_ms
+        lo = cfg.min_delay_steps * full if cfg.min_delay_steps > 0 and full > 0 else cfg.min_delay_ms
+        hi = cfg.max_delay_steps * full if cfg.max_delay_steps > 0 and full > 0 else cfg.max_delay_ms
+        return lo, hi
 
     # This rank's own choices (its deadlines, its capped-steps bound) follow its own meter;
     # the shared budget follows rank 0's, read from the rows, so that every rank computes

@@ -30,6 +30,10 @@ class BudgetConfig:
     backlog_steps: float = 1.0      # a backlog: the group's pending prefill fills this many full steps
     max_capped_steps: int = 0       # >0: a rank whose prefill was capped this many steps in a row runs it
     min_delay_ms: float = 0.0       # with min_balance: a prefill may wait this long even with no backlog
+    # >0: the two waits above in full-step times (what a max_tokens step takes, measured:
+    # step_clock.py); the ms values stand until the engine has measured one
+    min_delay_steps: float = 0.0
+    max_delay_steps: float = 0.0
     # A busy group (its pending prefill averaged over busy_tau_s reaches busy_level full
     # steps; 0 = never): throughput-first, with these in place of backlog_steps and max_capped_steps.
     busy_level: float = 0.0
@@ -44,8 +48,8 @@ class BudgetConfig:
             raise ValueError("horizon must be >= 1")
         if not 0.0 <= self.spread < 1.0:
             raise ValueError("spread must be in [0, 1)")
-        if self.min_chunk < 0 or self.max_delay_ms < 0:
-            raise ValueError("min_chunk and max_delay_ms must be >= 0")
+        if self.min_chunk < 0 or self.max_delay_ms < 0 or self.min_delay_steps < 0 or self.max_delay_steps < 0:
+            raise ValueError("min_chunk, max_delay_ms and the delays in steps must be >= 0")
         if not 0.0 <= self.min_balance < 1.0:
             raise ValueError("min_balance must be in [0, 1)")
         if self.busy_level < 0 or self.busy_tau_s <= 0 or self.busy_backlog_steps <= 0 or self.busy_capped_steps < 0:
@@ -60,7 +64,9 @@ def from_settings(settings: Any) -> BudgetConfig | None:
         return None
     k = settings.wait_scale   # the sim backend's slow motion stretches the waits too
     return BudgetConfig(max_tokens=settings.max_num_batched_tokens, max_delay_ms=settings.align_max_delay_ms * k,
-                        min_delay_ms=settings.align_min_delay_ms * k, backlog_steps=settings.align_backlog_steps,
+                        min_delay_ms=settings.align_min_delay_ms * k,
+                        min_delay_steps=settings.align_min_delay_steps, max_delay_steps=settings.align_max_delay_steps,
+                        backlog_steps=settings.align_backlog_steps,
                         min_balance=settings.align_min_balance, max_capped_steps=settings.align_max_capped_steps,
                         busy_level=settings.align_busy_level, busy_tau_s=settings.align_busy_window_s * k,
                         busy_backlog_steps=settings.align_busy_backlog_steps,

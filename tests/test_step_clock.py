@@ -1,0 +1,93 @@
+"""The measured full step (services/engine_worker/step_clock.py) and the waits of
+coordinated prefill that follow it: a prefill waits the same number of full steps for
+company on a fast engine and on a slow one."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engine_worker.batch_gate import BatchGate
+from services.engine_worker.block_manager import BlockManager
+from services.engine_worker.engine_scheduler import EngineScheduler
+from services.engine_worker.rank_step import RankStep
+from services.engine_worker.step_budget import BudgetConfig
+from services.engine_worker.step_clock import StepClock
+
+
+def _steps(clock: StepClock, fixed: float, per_token: float, sizes: list[int]) -> None:
+    for x in sizes:
+        clock.observe(x, fixed + per_token * x)
+
+
+def test_a_line_through_steps_of_different_sizes_gives_the_full_steps_duration():
+    c = StepClock(max_tokens=2048)
+    _steps(c, 8.0, 0.06, [5, 40, 600, 12, 2048, 300, 7, 1500] * 10)
+    assert c.full_step_ms == pytest.approx(8.0 + 0.06 * 2048, rel=1e-6)   # 130.9 ms
+    slow = StepClock(max_tokens=4608)
+    _steps(slow, 19.9, 0.1097, [30, 512, 4608, 900, 60, 2500] * 10)
+    assert slow.full_step_ms == pytest.approx(19.9 + 0.1097 * 4608, rel=1e-6)   # ~525 ms
+
+
+def test_steps_of_one_size_give_no_estimate_and_keep_the_last_one():
+    c = StepClock(max_tokens=2048)
+    _steps(c, 8.0, 0.06, [20] * 50)           # decodes only: no line through one point
+    assert c.full_step_ms == 0.0
+    _steps(c, 8.0, 0.06, [20, 2048] * 20)
+    fitted = c.full_step_ms
+    assert fitted == pytest.approx(130.9, rel=0.01)
+    _steps(c, 8.0, 0.06, [20] * 5000)         # a long run of decodes: the spread decays away
+    assert c.full_step_ms == pytest.approx(fitted, rel=0.01)
+    c.observe(0, 8.0)                         # an idle step and a bad duration teach nothing
+    c.observe(100, 0.0)
+    assert c.full_step_ms == pytest.approx(fitted, rel=0.01)
+
+
+def test_a_newer_engine_speed_replaces_the_old_one():
+    c = StepClock(max_tokens=2048, halflife_steps=50)
+    _steps(c, 8.0, 0.06, [20, 2048] * 100)
+    _steps(c, 16.0, 0.12, [20, 2048] * 500)   # the same engine, twice as slow (e.g. a hotter device)
+    assert c.full_step_ms == pytest.approx(16.0 + 0.12 * 2048, rel=0.02)
+
+
+def _rank_step(max_tokens: int) -> RankStep:
+    core = EngineScheduler(BlockManager(64, 16), max_num_batched_tokens=max_tokens, max_num_seqs=8,
+                           max_model_len=4096)
+    cfg = BudgetConfig(max_tokens=max_tokens, min_balance=0.9, min_delay_ms=200.0, max_delay_ms=3000.0,
+                       min_delay_steps=1.5, max_delay_steps=23.0, step_ms=0.0)
+    return RankStep(0, core, BatchGate(rank=0, timeout_s=0.1), cfg)
+
+
+def _run_steps(rs: RankStep, fixed: float, per_token: float, sizes: list[int]) -> None:
+    for x in sizes:
+        rs.step_tokens = x                    # what decide() records of the step's busiest rank
+        rs.note_step(fixed + per_token * x)
+
+
+def test_the_waits_for_company_are_full_steps_of_this_engine():
+    # Before a full step is measured, the configured milliseconds.
+    rs = _rank_step(2048)
+    assert rs.delays_ms() == (200.0, 3000.0)
+    # The simulator's default engine: ~131 ms a full step, so 1.5 / 23 steps = ~200 ms / ~3 s.
+    _run_steps(rs, 8.0, 0.06, [10, 2048, 300, 1200] * 5)
+    lo, hi = rs.delays_ms()
+    assert lo == pytest.approx(1.5 * 130.88) and hi == pytest.approx(23 * 130.88)
+    # A gb200 engine (4,608-token steps of ~525 ms): the same steps, four times the time.
+    # With the waits fixed in milliseconds a prefill waited 0.4 steps there and the group
+    # ran unbalanced prefill steps (poisson at 1.0x: 0.80 of ideal; 0.93 with these).
+    slow = _rank_step(4608)
+    _run_steps(slow, 19.9, 0.1097, [30, 4608, 700, 2500] * 5)
+    lo, hi = slow.delays_ms()
+    assert lo == pytest.approx(1.5 * (19.9 + 0.1097 * 4608)) and lo > 3 * 200.0
+    assert hi == pytest.approx(23 * (19.9 + 0.1097 * 4608))
+
+
+def test_waits_set_in_milliseconds_only_stay_milliseconds():
+    rs = _rank_step(2048)
+    rs.budget = BudgetConfig(max_tokens=2048, min_balance=0.9, min_delay_ms=150.0, max_delay_ms=1000.0)
+    _run_steps(rs, 8.0, 0.06, [10, 2048] * 5)
+    assert rs.delays_ms() == (150.0, 1000.0)
+
+
+def test_the_delays_in_steps_must_not_be_negative():
+    with pytest.raises(ValueError):
+        BudgetConfig(min_delay_steps=-1.0)
