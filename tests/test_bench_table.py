@@ -33,3 +33,11 @@ def test_a_sweep_on_another_profile_names_it_in_its_command():
     assert "--sweep 0.5,1 --profile deepseek-v3-gb200 --policies" in cmd(doc)
     doc["config"]["profile"] = "default"
     assert "--profile" not in cmd(doc)
+
+
+def test_a_sweep_with_no_peer_judges_no_goal():
+    from services.simulator.bench_table import goal_lines
+    m = {"throughput_tok_s": 100.0, "ttft_p99_ms": 50.0, "itl_p99_ms": 10.0, "efficiency_vs_ideal": 0.99}
+    doc = {"default": "default",
+           "points": [{"load": 1.0, "policies": {"default": m, "least_score": m}}]}
+    assert goal_lines(doc) == ["- load 1: no peer in this run — not judged"]

@@ -131,10 +131,11 @@ class RankStep:
             if plan.dropped and plan.admitted:   # capped to nothing: release their KV too
                 gone = set(plan.dropped)
                 self.core.unadmit([q for q in plan.admitted if q.id in gone])
-        mx = view.memo.get("max_tokens")
-        if mx is None:   # the busiest rank's tokens: what this step's duration is measured against
-            mx = view.memo["max_tokens"] = max(view.column(F_TOKENS), default=0)
-        self.step_tokens = mx
+        if self.clock is not None:   # the busiest rank's tokens: what the step's duration is measured against
+            mx = view.memo.get("max_tokens")
+            if mx is None:
+                mx = view.memo["max_tokens"] = max(view.column(F_TOKENS), default=0)
+            self.step_tokens = mx
         released = 0
         gate = self.gate
         held = view.memo.get("held")

@@ -5,12 +5,14 @@ step) are worth what an unbalanced prefill step costs, and that is the engine's:
 simulator's default profile a full 2,048-token step takes ~131 ms, on the
 ``deepseek-v3-gb200`` profile a full 4,608-token step ~525 ms. So the waits are set in full
 steps and turned into milliseconds with this estimate: a least-squares line through the
-recent steps' (busiest rank's tokens, duration), evaluated at ``max_tokens``.
+recent steps' (busiest rank's tokens, duration), evaluated at ``max_tokens``. In the
+simulator the best waits were the same number of full steps on both profiles (1.5 and 23:
+200 ms / 3 s on the default profile, ~800 ms / 12 s on gb200; docs/benchmarks.md).
 
 Recent: the sums decay with a half-life of ``halflife_steps``. A line needs steps of
 different sizes; while the recent steps are all about the same size (a long run of decode
-steps) the last good fit stands, and before any fit the longest step seen is the estimate
-(an underestimate: the waits start short, TTFT first).
+steps, whose noise alone would give any slope) the last good fit stands, and before any
+fit there is no estimate (0.0: the caller keeps its waits in milliseconds).
 """
 
 from __future__ import annotations

@@ -91,6 +91,9 @@ def goal_lines(doc: dict[str, Any]) -> list[str]:
         pol = p["policies"]
         me = pol[d]
         peers = {n: v for n, v in pol.items() if n != d and n not in NOT_GOALS and n not in ("least_score",)}
+        if not peers:   # (--only without a peer): nothing to judge against, so nothing is met
+            out.append(f"- load {p['load']:g}: no peer in this run — not judged")
+            continue
         best_tp = max(peers.items(), key=lambda kv: kv[1]["throughput_tok_s"] or 0)
         best_tt = min(peers.items(), key=lambda kv: kv[1]["ttft_p99_ms"] if kv[1]["ttft_p99_ms"] is not None else inf)
         best_itl = min(peers.items(), key=lambda kv: kv[1]["itl_p99_ms"] if kv[1]["itl_p99_ms"] is not None else inf)
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     jobs = [] if a.profile else [(w, None, loads, ranks, api, req, policies, None) for w in WORKLOADS]
     if not a.profile:
         jobs += [(w, d, CHECK_LOADS, ranks, api, req, policies, None) for w in WORKLOADS for d in ("scheduler", "client")]
-    if not a.quick:
+    if a.profile or not a.quick:   # (--quick alone: the default profile only)
         jobs += [(w, None, loads, ranks, api, req, policies, prof)
                  for prof in ([a.profile] if a.profile else OTHER_PROFILES) for w in WORKLOADS]
     t0 = time.perf_counter()
@@ -169,9 +172,12 @@ def main(argv: list[str] | None = None) -> None:
         if j[7] is not None:
             profiles.setdefault(j[7], {})[j[0]] = r
     if a.quick:
-        for w, doc in own.items():
+        named = [(w, doc) for w, doc in own.items()]
+        named += [(f"{w} ({prof})", doc) for prof, docs in profiles.items() for w, doc in docs.items()]
+        for w, doc in named:
             print(f"## {w}\n{sweep_markdown(doc)}\n" + "\n".join(goal_lines(doc)) + "\n")
-        print(check_markdown(both))
+        if both:
+            print(check_markdown(both))
         return
     rerun = None
     if a.profile:   # one profile's sweeps, into the last full run (the other sections stand)
