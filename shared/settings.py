@@ -158,6 +158,8 @@ class ApiServerSettings(Settings):
 class SchedulerSettings(Settings):
     policy: str = Field("waterfill", description="Dispatch policy (waterfill, round_robin, least_score, least_tokens, staggered); see lockstep up --help.")
     level_tokens: int = Field(0, ge=0, description="waterfill: a rank with less prefill pending than this gets the oldest unplaced request. 0 (default): 2 x the engines' max_num_batched_tokens, as the ranks report it (4096 until one does).")
+    collect_ms: float = Field(2.0, ge=0, description="waterfill: a new request waits this long unplaced, so the requests arriving with it (an offline batch, a burst) are placed together (docs/benchmarks.md). 0 = place each at once.")
+    together_ms: float = Field(50.0, ge=0, description="waterfill: requests that arrived within this of the oldest unplaced one are placed longest prompt first, while they all fit in the group's free sequence slots; 0 = arrival order always.")
     dispatch: str = Field("scheduler", description="'scheduler' or 'client' (api-servers pick ranks; refused with policy staggered).")
     num_api_servers: int = Field(1, description="api-server replicas (for the local-view bump).")
     ranks: int = Field(4, description="DP ranks expected in the engine group.")
@@ -168,6 +170,11 @@ class SchedulerSettings(Settings):
     request_record_ttl_s: int = Field(600, description="Lifetime of a request record <ns>:req:<id>, refreshed at each write (memory: about 350 bytes x request rate x this; docs/operations.md).")
     lease_ms: int = Field(1000, description="Leadership lease (renewed every third of it); a standby takes over after it lapses.")
     metrics_port: int = Field(0, description="Serve Prometheus metrics (lockstep_*) on this port; 0 = off.")
+
+    def waterfill_kwargs(self) -> dict[str, float]:
+        """The waterfill constructor arguments these settings give (the scheduler's, and the
+        simulator's ``default`` entry: the same numbers)."""
+        return {"collect_s": self.collect_ms / 1000.0, "together_s": self.together_ms / 1000.0}
 
     @model_validator(mode="after")
     def _servable(self) -> SchedulerSettings:

@@ -51,7 +51,8 @@ class SchedulerService:
     def _make_policy(self, dispatcher_id: str) -> Any:
         s = self.s
         extra = ({"max_wait_ms": s.max_wait_ms} if s.policy == "staggered" else
-                 {"level_tokens": s.level_tokens or level_for(None)} if s.policy == "waterfill" else {})
+                 {"level_tokens": s.level_tokens or level_for(None), **s.waterfill_kwargs()}
+                 if s.policy == "waterfill" else {})
         return make_policy(s.policy, dispatcher_id=dispatcher_id, num_api_servers=s.num_api_servers,
                            ranks=self.ranks, **extra)
 

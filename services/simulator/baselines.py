@@ -507,14 +507,16 @@ def _default_spec() -> PolicySpec:
     defaults (shared/settings.py), so this entry can never drift from the product."""
     from services.engine_worker.step_budget import from_settings as budget_from_settings
     from shared.settings import EngineSettings, SchedulerSettings
-    pol = SchedulerSettings.model_fields["policy"].default
+    sched = SchedulerSettings()
+    pol = sched.policy
     eng = EngineSettings(time_scale=1.0)   # the simulator's device is its own: no slow motion to follow
     cfg = budget_from_settings(eng)
     # max_tokens comes from the simulated profile's engine, like every other entry's
     budget = None if cfg is None else {k: v for k, v in dataclasses.asdict(cfg).items() if k != "max_tokens"}
     gate = ("batch", eng.gate_timeout_ms / 1000.0) if pol == "staggered" else ()
     what = f"{pol} placement" + (" + coordinated prefill in the engines" if budget is not None else "")
-    return PolicySpec("default", _lockstep(pol), lockstep=True, gate=gate, step_budget=budget,
+    placement = sched.waterfill_kwargs() if pol == "waterfill" else {}
+    return PolicySpec("default", _lockstep(pol, **placement), lockstep=True, gate=gate, step_budget=budget,
                       source=f"what `lockstep up` runs with no flags: {what} (shared/settings.py defaults)")
 
 
