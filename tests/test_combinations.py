@@ -9,6 +9,7 @@ api-server's ``Gateway.submit`` in client dispatch)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import subprocess
@@ -78,6 +79,10 @@ async def test_every_up_combination_is_served_or_refused(redis_url, namespace):
                     await r.xadd(keys.requests, {FIELD: dumps(_req(rid, "api0").to_dict())})
                 resp = await r.xreadgroup(K.SCHEDULER_GROUP, svc.id, {keys.requests: ">"}, count=10)
                 await svc.intake.handle(decode_entries(resp))
+                # a policy that holds requests (waterfill collects arrivals for collect_ms)
+                # releases them from its batcher job, as run() does
+                while svc.state.batching and svc.policy.next_deadline() is not None:
+                    await asyncio.wait_for(svc.batches.iteration(), 5)
             else:
                 gw = Gateway(r, keys, "api0-x", dispatch="client", policy=client_policy(api, "api0-x"))
                 gw.policy.set_ranks([0, 1])
