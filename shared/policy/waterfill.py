@@ -8,8 +8,8 @@ snapshot does not show yet) is below ``level_tokens``, the oldest unplaced reque
 rank with the least pending prefill (water-filling); while every rank is above the level,
 requests wait here unplaced, in arrival order, and each rank pulls more as it drains. With headroom
 nothing waits beyond ``collect_s``: every rank is below the level, so a request is placed
-within 2 ms, on the least loaded rank (TTFT first). The engines then cap each step at a budget most ranks can fill
-(``BudgetConfig.min_balance``, services/engine_worker/step_budget.py).
+within 2 ms, on the least loaded rank (TTFT first). The engines then cap each step at a
+budget most ranks can fill (``BudgetConfig.min_balance``, services/engine_worker/step_budget.py).
 
 Why ``level_tokens`` = 2 steps of prefill (2 x ``max_num_batched_tokens``): a rank must
 still have a full step's prefill queued when the next snapshot and dispatch land (one step
@@ -63,7 +63,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from itertools import islice
 from typing import Any
 
 from shared.policy.base import Assignment, RequestInfo
@@ -237,16 +236,17 @@ class WaterFill(_LocalViewPolicy):
             if entry[1] > cutoff:
                 break
             together.append(entry)
-        placed: set[str] = set()
-        for req, t0 in sorted(together, key=lambda e: -e[0].prompt_tokens):   # stable: ties keep arrival order
+        taken = [False] * len(together)
+        # sorted is stable: equal prompts keep their arrival order
+        for k in sorted(range(len(together)), key=lambda k: -together[k][0].prompt_tokens):
             if min(self._scores) >= self.level:
                 break
+            req, t0 = together[k]
             out.append(self._place(req, t0, now))
-            placed.add(req.id)
-        rest = [e for e in islice(q, len(together)) if e[0].id not in placed]
+            taken[k] = True
         for _ in range(len(together)):
             q.popleft()
-        q.extendleft(reversed(rest))
+        q.extendleft(reversed([e for e, t in zip(together, taken) if not t]))
 
     def _place(self, req: RequestInfo, t0: float, now: float, by_bound: bool = False) -> Assignment:
         n = len(self._ranks)
