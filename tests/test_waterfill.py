@@ -129,6 +129,15 @@ def test_only_requests_that_arrived_together_are_reordered():
     assert [a.request_id for a in p.poll(0.5)] == ["1", "2", "4", "3"]
 
 
+def test_longest_first_keeps_every_entry_it_does_not_place_even_with_a_repeated_id():
+    p = make_policy("waterfill", ranks=[0], level_tokens=1000, max_seqs=64)
+    p.on_snapshot(_snap([0]))
+    for prompt in (500, 2000, 300):            # the same id twice (a redelivered request)
+        p.submit(RequestInfo("x" if prompt != 300 else "y", prompt, 4096, 0.0), 0.0)
+    out = p.poll(0.002)
+    assert [a.request_id for a in out] == ["x"] and p.unplaced == 2   # 2000 placed: the rank is full
+
+
 def test_the_simulated_default_places_with_the_schedulers_settings():
     from services.simulator.baselines import _default_spec
     from shared.settings import SchedulerSettings
