@@ -63,6 +63,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from heapq import heapify, heappop
 from typing import Any
 
 from shared.policy.base import Assignment, RequestInfo
@@ -237,10 +238,11 @@ class WaterFill(_LocalViewPolicy):
                 break
             together.append(entry)
         taken = [False] * len(together)
-        # sorted is stable: equal prompts keep their arrival order
-        for k in sorted(range(len(together)), key=lambda k: -together[k][0].prompt_tokens):
-            if min(self._scores) >= self.level:
-                break
+        # a heap, not a sort: most drains place a few of them (equal prompts: arrival order)
+        heap = [(-req.prompt_tokens, k) for k, (req, _) in enumerate(together)]
+        heapify(heap)
+        while heap and min(self._scores) < self.level:
+            k = heappop(heap)[1]
             req, t0 = together[k]
             out.append(self._place(req, t0, now))
             taken[k] = True
