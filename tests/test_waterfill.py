@@ -294,6 +294,21 @@ def test_min_delay_lets_a_lone_prefill_wait_for_company_but_not_past_its_deadlin
     assert now <= 0.200 + 0.010
 
 
+def test_one_long_prompt_alone_is_no_backlog_its_deadline_holds():
+    """A rank's pending prefill counts toward the group's backlog only up to one full step:
+    an 8k prompt with nothing pending elsewhere was counted whole (8,000 of 4 x 2,048 tokens
+    = a backlog), so its deadlines gave way to the balance rule and it crawled through the
+    capped-steps bound (bursty at 0.3x: 16k prompts' first tokens at 2-5 s)."""
+    cfg = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=1000, max_delay_ms=3000.0,
+                       min_delay_ms=200.0, step_ms=10.0, backlog_steps=0.5)
+    ranks = [_rank(0, [8000], cfg)] + [_rank(r, [], cfg) for r in (1, 2, 3)]
+    done, now = 0, 0.0
+    while done < 8000 and now < 1.0:
+        done += _step(ranks, now)[0]
+        now += 0.010
+    assert done >= 8000 and now <= 0.200 + 0.010      # done by its 200 ms deadline
+
+
 def test_the_scheduler_status_counts_the_requests_waterfill_keeps_unplaced():
     # `lockstep watch` reads policy_unplaced from the scheduler's status: under the default
     # policy it read only the placement counters, so it showed 0 however many waited.

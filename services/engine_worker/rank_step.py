@@ -178,7 +178,9 @@ class RankStep:
                 if f:
                     T = max(T, int(t))
             headroom = self._backlog_steps(bool(view.rows[0][F_BUSY]))
-            if _queued(view) / (len(decode) * cfg.max_tokens) < headroom:   # TTFT first: prefill deadlines hold
+            # TTFT first, prefill deadlines hold, until the ranks' pending prefill could fill
+            # `headroom` of a full group step: one long prompt alone is no backlog to share
+            if _fillable(view, cfg.max_tokens) / (len(decode) * cfg.max_tokens) < headroom:
                 for t, m in zip(tokens, must):
                     T = max(T, min(int(t), int(m)))
         else:
@@ -192,6 +194,15 @@ def _queued(view: StepView) -> int:
     total = view.memo.get("queued")
     if total is None:
         total = view.memo["queued"] = sum(view.column(F_QUEUED))
+    return total
+
+
+def _fillable(view: StepView, max_tokens: int) -> int:
+    """The group's pending prefill that the next step could hold: each rank's counted up
+    to one full step (once per view)."""
+    total = view.memo.get("fillable")
+    if total is None:
+        total = view.memo["fillable"] = sum(min(q, max_tokens) for q in view.column(F_QUEUED))
     return total
 
 

@@ -27,7 +27,7 @@ class BudgetConfig:
     max_delay_ms: float = 300.0     # bounded delay: every prefill done this long after it became schedulable
     step_ms: float = 10.0           # step time must_tokens plans with (0: the caller's measured step)
     min_balance: float = 0.0        # >0: under a backlog, the largest budget whose step stays this balanced
-    backlog_steps: float = 1.0      # a backlog: the group's pending prefill fills this many full steps
+    backlog_steps: float = 1.0      # a backlog: pending prefill (<= a full step per rank) fills this of a group step
     max_capped_steps: int = 0       # >0: a rank whose prefill was capped this many steps in a row runs it
     min_delay_ms: float = 0.0       # with min_balance: a prefill may wait this long even with no backlog
     # >0: the two waits above in full-step times (what a max_tokens step takes, measured:
