@@ -132,26 +132,27 @@ class WaterFill(_LocalViewPolicy):
     def _amount(self, req: RequestInfo) -> float:
         return float(req.prompt_tokens)
 
+    def _seqs(self, v: _RankView) -> float:
+        """Sequences a rank holds in this view: running, waiting there, and unseen sends."""
+        return v.running + v.waiting + len(v.unseen) * self.scale
+
     def _score(self, v: _RankView) -> float:
-        n = v.running + v.waiting + len(v.unseen) * self.scale
-        return v.pending + v.unseen.amount * self.scale + SEQ_TIE_BREAK * n
+        return v.pending + v.unseen.amount * self.scale + SEQ_TIE_BREAK * self._seqs(v)
 
     def _free_slots(self) -> float:
-        """Sequence slots free across the group (running, waiting and unseen sends taken),
-        +inf while some rank's limit is unknown."""
+        """Sequence slots free across the group, +inf while some rank's limit is unknown."""
         free = 0.0
         for rank in self._ranks:
             limit = self._max_seqs.get(rank, self._all_max_seqs)
             if not limit:
                 return float("inf")
-            v = self._views[rank]
-            free += max(0.0, limit - (v.running + v.waiting + len(v.unseen) * self.scale))
+            free += max(0.0, limit - self._seqs(self._views[rank]))
         return free
 
     def _score_of(self, rank: int, v: _RankView) -> float:
         s = self._score(v)
         limit = self._max_seqs.get(rank, self._all_max_seqs)
-        if limit and v.running + v.waiting + len(v.unseen) * self.scale >= limit + QUEUE_ROOM:
+        if limit and self._seqs(v) >= limit + QUEUE_ROOM:
             s += FULL    # slots taken and one queued: it takes nothing until one frees
         return s
 
