@@ -202,9 +202,15 @@ async def test_repeated_pause_and_wake_from_any_rank(torch_cluster: Cluster):
     keys = Keys(torch_cluster.namespace)
     r = aioredis.Redis.from_url(torch_cluster.redis_url)
     try:
+        async def paused():   # rank 0 sets the key as the group pauses; the wake deletes it
+            return await r.exists(keys.paused)
+
         mark, newest = await _stats_mark(r, keys)
         async with httpx.AsyncClient(timeout=240) as http:
             for k in range(2 * WORLD):
+                # each wake starts from a paused group: sent at once after the last answer,
+                # it could land before the group paused and share its wave (a loaded CI box)
+                assert await wait_until(paused, timeout=30), k
                 wakers = [k % WORLD] if k < WORLD else [k % WORLD, (k + 1) % WORLD]
                 outs = await asyncio.wait_for(asyncio.gather(*(
                     _complete(http, torch_cluster, _body(f"wake {k} {w}", 3, temperature=0, data_parallel_rank=w))
