@@ -309,6 +309,30 @@ def test_one_long_prompt_alone_is_no_backlog_its_deadline_holds():
     assert done >= 8000 and now <= 0.200 + 0.010      # done by its 200 ms deadline
 
 
+def test_one_rank_alone_is_no_backlog_even_in_a_small_group():
+    """In a group of 4 a rank's one full step is a quarter of the group's, a busy group's
+    whole backlog threshold (``busy_backlog_steps`` 0.25): a lone 8k prompt in an idle group
+    turned its own deadlines off and crawled through the capped-steps bound (heavy-tail at
+    4 ranks, 0.3x: TTFT p99 2.5 s against the peers' 0.84 s). A backlog needs prefill
+    pending on two ranks at least: nobody else has any to share a step with."""
+    cfg = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=1000, max_delay_ms=3000.0,
+                       min_delay_ms=200.0, step_ms=10.0, backlog_steps=0.25)
+    ranks = [_rank(0, [8000], cfg)] + [_rank(r, [], cfg) for r in (1, 2, 3)]
+    done, now = 0, 0.0
+    while done < 8000 and now < 1.0:
+        done += _step(ranks, now)[0]
+        now += 0.010
+    assert done >= 8000 and now <= 0.200 + 0.010      # done by its 200 ms deadline
+
+
+def test_two_ranks_pending_are_still_a_backlog_in_a_small_group():
+    # the guard above is about one rank alone: with two, the balance rule caps the prefill
+    cfg = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=1000, max_delay_ms=3000.0,
+                       min_delay_ms=200.0, step_ms=10.0, backlog_steps=0.25)
+    ranks = [_rank(0, [8000], cfg), _rank(1, [8000], cfg), _rank(2, [], cfg), _rank(3, [], cfg)]
+    assert _step(ranks, 0.0)[:2] == [1, 1]            # half the group prefilling: capped to its decode floor
+
+
 def test_the_scheduler_status_counts_the_requests_waterfill_keeps_unplaced():
     # `lockstep watch` reads policy_unplaced from the scheduler's status: under the default
     # policy it read only the placement counters, so it showed 0 however many waited.

@@ -179,7 +179,7 @@ class RankStep:
                     T = max(T, int(t))
             headroom = self._backlog_steps(bool(view.rows[0][F_BUSY]))
             # TTFT first, prefill deadlines hold, until the ranks' pending prefill could fill
-            # `headroom` of a full group step: one long prompt alone is no backlog to share
+            # `headroom` of a full group step: one long prompt, or one rank, alone is no backlog
             if _fillable(view, cfg.max_tokens) / (len(decode) * cfg.max_tokens) < headroom:
                 for t, m in zip(tokens, must):
                     T = max(T, min(int(t), int(m)))
@@ -199,10 +199,14 @@ def _queued(view: StepView) -> int:
 
 def _fillable(view: StepView, max_tokens: int) -> int:
     """The group's pending prefill that the next step could hold: each rank's counted up
-    to one full step (once per view)."""
+    to one full step, and none while only one rank has any: nobody could share a step with
+    it (in a group of 4, one rank's full step is a quarter of the group's, the busy
+    threshold, and a lone long prompt in an idle group crawled through the capped-steps
+    bound). Once per view."""
     total = view.memo.get("fillable")
     if total is None:
-        total = view.memo["fillable"] = sum(min(q, max_tokens) for q in view.column(F_QUEUED))
+        capped = [min(q, max_tokens) for q in view.column(F_QUEUED) if q > 0]
+        total = view.memo["fillable"] = sum(capped) if len(capped) > 1 else 0
     return total
 
 
