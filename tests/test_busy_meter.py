@@ -50,17 +50,20 @@ def _rank_step(rank: int) -> RankStep:
 
 
 def _view(rank0_busy: int) -> StepView:
-    """4 ranks: rank 1 alone has 3,000 prefill tokens pending (2,000 in this step's plan),
-    whose deadlines need 1,200 now; the others decode 20. The group's pending prefill is
-    3,000 / (4 x 2,048) = 0.37 full steps: headroom for backlog_steps 0.5, a backlog for
-    busy_backlog_steps 0.25."""
+    """4 ranks, all decoding 20: rank 1 has 3,000 prefill tokens pending (2,000 in this
+    step's plan), whose deadlines need 1,200 now; rank 3 has 500, with no deadline near.
+    The group's pending prefill, each rank's counted up to a full step, is (2,048 + 500) /
+    (4 x 2,048) = 0.31 full steps: headroom for backlog_steps 0.5, a backlog for
+    busy_backlog_steps 0.25 (on two ranks: one rank's alone is never a backlog)."""
+    pending = {1: (2000, 1200, 3000), 3: (500, 0, 500)}   # rank: (plan, must, queued)
     rows = []
     for r in range(4):
+        plan, must, queued = pending.get(r, (0, 0, 0))
         row = [0] * FIELDS
         row[F_HAS_WORK], row[F_ALIGN], row[F_DECODE] = 1, 1, 20
-        row[F_TOKENS] = 20 + (2000 if r == 1 else 0)
-        row[F_MUST] = 20 + (1200 if r == 1 else 0)
-        row[F_QUEUED] = 3000 if r == 1 else 0
+        row[F_TOKENS] = 20 + plan
+        row[F_MUST] = 20 + must
+        row[F_QUEUED] = queued
         rows.append(row)
     rows[0][F_BUSY] = rank0_busy
     rows[2][F_BUSY] = 1 - rank0_busy      # another rank's verdict is not applied
