@@ -294,19 +294,27 @@ def test_min_delay_lets_a_lone_prefill_wait_for_company_but_not_past_its_deadlin
     assert now <= 0.200 + 0.010
 
 
+def _small_group(backlog_steps, prompts):
+    cfg = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=1000, max_delay_ms=3000.0,
+                       min_delay_ms=200.0, step_ms=10.0, backlog_steps=backlog_steps)
+    return [_rank(r, p, cfg) for r, p in enumerate(prompts)]
+
+
+def _lone_prompt_done_by_its_deadline(backlog_steps):
+    ranks = _small_group(backlog_steps, [[8000], [], [], []])
+    done, now = 0, 0.0
+    while done < 8000 and now < 1.0:
+        done += _step(ranks, now)[0]
+        now += 0.010
+    return done >= 8000 and now <= 0.200 + 0.010      # done by its 200 ms deadline
+
+
 def test_one_long_prompt_alone_is_no_backlog_its_deadline_holds():
     """A rank's pending prefill counts toward the group's backlog only up to one full step:
     an 8k prompt with nothing pending elsewhere was counted whole (8,000 of 4 x 2,048 tokens
     = a backlog), so its deadlines gave way to the balance rule and it crawled through the
     capped-steps bound (bursty at 0.3x: 16k prompts' first tokens at 2-5 s)."""
-    cfg = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=1000, max_delay_ms=3000.0,
-                       min_delay_ms=200.0, step_ms=10.0, backlog_steps=0.5)
-    ranks = [_rank(0, [8000], cfg)] + [_rank(r, [], cfg) for r in (1, 2, 3)]
-    done, now = 0, 0.0
-    while done < 8000 and now < 1.0:
-        done += _step(ranks, now)[0]
-        now += 0.010
-    assert done >= 8000 and now <= 0.200 + 0.010      # done by its 200 ms deadline
+    assert _lone_prompt_done_by_its_deadline(backlog_steps=0.5)
 
 
 def test_one_rank_alone_is_no_backlog_even_in_a_small_group():
@@ -315,21 +323,12 @@ def test_one_rank_alone_is_no_backlog_even_in_a_small_group():
     turned its own deadlines off and crawled through the capped-steps bound (heavy-tail at
     4 ranks, 0.3x: TTFT p99 2.5 s against the peers' 0.84 s). A backlog needs prefill
     pending on two ranks at least: nobody else has any to share a step with."""
-    cfg = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=1000, max_delay_ms=3000.0,
-                       min_delay_ms=200.0, step_ms=10.0, backlog_steps=0.25)
-    ranks = [_rank(0, [8000], cfg)] + [_rank(r, [], cfg) for r in (1, 2, 3)]
-    done, now = 0, 0.0
-    while done < 8000 and now < 1.0:
-        done += _step(ranks, now)[0]
-        now += 0.010
-    assert done >= 8000 and now <= 0.200 + 0.010      # done by its 200 ms deadline
+    assert _lone_prompt_done_by_its_deadline(backlog_steps=0.25)
 
 
 def test_two_ranks_pending_are_still_a_backlog_in_a_small_group():
     # the guard above is about one rank alone: with two, the balance rule caps the prefill
-    cfg = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=1000, max_delay_ms=3000.0,
-                       min_delay_ms=200.0, step_ms=10.0, backlog_steps=0.25)
-    ranks = [_rank(0, [8000], cfg), _rank(1, [8000], cfg), _rank(2, [], cfg), _rank(3, [], cfg)]
+    ranks = _small_group(0.25, [[8000], [8000], [], []])
     assert _step(ranks, 0.0)[:2] == [1, 1]            # half the group prefilling: capped to its decode floor
 
 
