@@ -123,7 +123,21 @@ class LocalCluster:
         _wait("old primary turned replica", lambda: int(self.client(primary_port).info("replication")
                                                           .get("master_port", 0)) == replica, timeout_s)
         _wait("cluster healthy after the failover", self.healthy, timeout_s)
+        # Gossip is not instant: until every node's slot map names the new primary,
+        # primary_of (which asks one node) may still answer the old one.
+        _wait("every node sees the new primary", lambda: self._everyone_says_primary(replica, primary_port),
+              timeout_s)
         return replica
+
+    def _everyone_says_primary(self, new: int, old: int) -> bool:
+        for s in self.servers:
+            if s.proc is None:
+                continue
+            primaries = {int(primary[1]) for _, _, primary, *_ in
+                         self.client(s.port).execute_command("CLUSTER", "SLOTS")}
+            if new not in primaries or old in primaries:
+                return False
+        return True
 
     def kill_primary(self, primary_port: int, timeout_s: float = 30.0) -> int:
         """SIGKILL ``primary_port``'s server (no hand-over: what it had not replicated yet
