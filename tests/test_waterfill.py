@@ -300,21 +300,24 @@ def _small_group(backlog_steps, prompts):
     return [_rank(r, p, cfg) for r, p in enumerate(prompts)]
 
 
-def _lone_prompt_done_by_its_deadline(backlog_steps):
-    ranks = _small_group(backlog_steps, [[8000], [], [], []])
+def _lone_prompt_done_by_its_deadline(backlog_steps, beside=(), deadline_s=0.200):
+    ranks = _small_group(backlog_steps, [[8000], list(beside), [], []])
     done, now = 0, 0.0
-    while done < 8000 and now < 1.0:
+    while done < 8000 and now < 2.0:
         done += _step(ranks, now)[0]
         now += 0.010
-    return done >= 8000 and now <= 0.200 + 0.010      # done by its 200 ms deadline
+    return done >= 8000 and now <= deadline_s + 0.010
 
 
 def test_one_long_prompt_alone_is_no_backlog_its_deadline_holds():
     """A rank's pending prefill counts toward the group's backlog only up to one full step:
     an 8k prompt with nothing pending elsewhere was counted whole (8,000 of 4 x 2,048 tokens
     = a backlog), so its deadlines gave way to the balance rule and it crawled through the
-    capped-steps bound (bursty at 0.3x: 16k prompts' first tokens at 2-5 s)."""
-    assert _lone_prompt_done_by_its_deadline(backlog_steps=0.5)
+    capped-steps bound (bursty at 0.3x: 16k prompts' first tokens at 2-5 s). A 1,000-token
+    prompt on another rank keeps the group from being one rank alone (the rule below); it
+    also stretches the 8k prompt's wait for company to 200 ms + 3 s x 1,000 / (0.5 x 4 x
+    2,048) = 0.73 s at most (counted whole, it had barely started after 2 s)."""
+    assert _lone_prompt_done_by_its_deadline(backlog_steps=0.5, beside=[1000], deadline_s=0.733)
 
 
 def test_one_rank_alone_is_no_backlog_even_in_a_small_group():
