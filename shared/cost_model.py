@@ -6,6 +6,13 @@ loaded rank:
     step_ms = fixed_ms                          # launches + 2 all-to-alls per MoE layer
             + token_ms   * max_r tokens_r       # dense + expert FLOPs of the busiest rank
             + ctx_ms_per_1k * max_r ctx_r / 1000  # attention; ctx_r: rank r's longest context
+            + shared_token_ms * mean_r tokens_r   # work that follows the group's total (0 by default)
+
+``shared_token_ms`` models what no rank computes alone: experts whose load is every rank's
+tokens (an EP group whose routing spreads evenly), or ranks that share one device or CPU.
+The bundled profiles leave it at 0, the busiest-rank model above; a ``--cost-model`` file
+sets it to ask how the policies fare when part of the step is shared (docs/benchmarks.md,
+"What the simulator does not model").
 
 The defaults are illustrative, not a measurement (a DeepSeek-V3-class shape): a
 128-sequence decode at 1k context costs 8 + 7.7 + 0.05 = ~16 ms, a 2,048-token prefill
@@ -28,12 +35,15 @@ class CostModel:
     token_ms: float = 0.06
     ctx_ms_per_1k: float = 0.05
     idle_ms: float = 8.0          # a dummy forward still pays the launches and all-to-alls
+    shared_token_ms: float = 0.0  # per token of the ranks' mean: cost that follows the group's total
 
-    def step_ms(self, max_tokens: int, max_ctx: int = 0) -> float:
-        """Modeled wall time of one lockstep step given the busiest rank's load."""
+    def step_ms(self, max_tokens: float, max_ctx: int = 0, mean_tokens: float = 0.0) -> float:
+        """Modeled wall time of one lockstep step given the busiest rank's load (and the
+        ranks' mean tokens, for the shared term)."""
         if max_tokens <= 0 and max_ctx <= 0:
             return self.idle_ms
-        return self.fixed_ms + self.token_ms * max_tokens + self.ctx_ms_per_1k * max_ctx / 1000.0
+        return (self.fixed_ms + self.token_ms * max_tokens + self.ctx_ms_per_1k * max_ctx / 1000.0
+                + self.shared_token_ms * mean_tokens)
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -92,6 +92,16 @@ def test_step_time_follows_the_busiest_rank():
     assert eng.step(s.dur_s) is Action.PAUSE         # nothing left: the group pauses
 
 
+def test_a_shared_token_cost_follows_the_ranks_mean():
+    # experts fed by every rank: that part of the step follows the group's mean, not the busiest
+    cost = CostModel(fixed_ms=10.0, token_ms=1.0, ctx_ms_per_1k=0.0, shared_token_ms=0.5)
+    prompt = np.array([50, 10]); out = np.array([1, 1])
+    eng = EngineGroup(2, EngineConfig(), cost, prompt, out, out)
+    eng.deliver(None, 0, 0)
+    eng.deliver(None, 1, 1)
+    assert eng.step(0.0).dur_s == pytest.approx(0.075)   # 10 + 1 * 50 + 0.5 * (50 + 10) / 2 ms
+
+
 def test_chunked_prefill_kv_budget_and_seq_limit():
     cfg = EngineConfig(max_num_batched_tokens=64, max_num_seqs=2, num_kv_blocks=10, block_size=16)
     prompt = np.array([100, 10, 10]); out = np.array([3, 3, 3])
@@ -199,6 +209,38 @@ def test_cli_json_is_one_object(tmp_path):
         assert set(p) >= {"balance_ratio", "idle_forward_fraction", "ttft_p50_ms", "ttft_p99_ms",
                           "itl_p50_ms", "throughput_tok_s", "efficiency_vs_ideal", "completed"}
     assert png.stat().st_size > 1000
+
+
+def _simulate_cli(args):
+    app = typer.Typer()
+    register(app)
+
+    @app.command("noop")
+    def _noop() -> None:  # a second command keeps typer in sub-command mode
+        pass
+
+    return CliRunner().invoke(app, ["simulate", *args])
+
+
+def test_a_sweep_runs_on_the_given_cost_model(tmp_path):
+    # (the sweep once ignored --cost-model and ran the profile's cost silently)
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps({"fixed_ms": 16.0, "token_ms": 0.12, "ctx_ms_per_1k": 0.1, "idle_ms": 16.0}))
+    args = ["--ranks", "2", "--requests", "40", "--workload", "poisson", "--sweep", "0.5",
+            "--policies", "least_score", "--json"]
+    base, slowed = _simulate_cli(args), _simulate_cli([*args, "--cost-model", str(slow)])
+    assert base.exit_code == 0 and slowed.exit_code == 0, (base.output, slowed.output)
+    cap = json.loads(base.stdout)["capacity"]["requests_per_s"]
+    doc = json.loads(slowed.stdout)
+    # every step takes twice as long: half the capacity
+    assert doc["capacity"]["requests_per_s"] == pytest.approx(cap / 2, rel=0.05)
+    assert doc["config"]["cost_model"] == str(slow)
+
+
+def test_a_sweep_refuses_a_trace_it_would_not_replay(tmp_path):
+    trace = _trace(tmp_path, [{"t": 0.0, "prompt_tokens": 10, "output_tokens": 2}])
+    res = _simulate_cli(["--sweep", "0.5", "--trace", str(trace), "--requests", "5"])
+    assert res.exit_code == 2 and "--trace" in res.output
 
 
 def test_cli_rejects_unknown_policy():

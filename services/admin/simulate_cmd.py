@@ -44,7 +44,7 @@ def simulate(
     policies: str = typer.Option("all", "--policies", help="Comma list of policies, or 'all'."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: per-rank load, balance, TTFT CDFs."),
-    cost_model: Optional[Path] = typer.Option(None, "--cost-model", help="JSON cost-model constants (CostModel.load)."),
+    cost_model: Optional[Path] = typer.Option(None, "--cost-model", help="JSON cost-model constants (CostModel.load), in place of the profile's."),
     param: list[str] = typer.Option([], "--param", help="Policy constructor argument, POLICY.KEY=VALUE (repeatable)."),
     profile: str = typer.Option("default", "--profile", help="Engine limits + step-time model: a bundled name (default, deepseek-v3-gb200, small-cpu) or a JSON file."),
     dispatch: Optional[str] = typer.Option(None, "--dispatch", help="Deployment for every system: 'scheduler' (one dispatcher, fresh view) or 'client' (every api-server decides). Default: each system's own."),
@@ -58,9 +58,13 @@ def simulate(
         typer.echo("error: --dispatch is 'scheduler' or 'client'", err=True)
         raise typer.Exit(2)
     if sweep is not None:
+        if trace is not None:
+            typer.echo("error: --sweep generates --workload at each load; it cannot replay a --trace "
+                       "(drop --sweep to run the trace as recorded)", err=True)
+            raise typer.Exit(2)
         _sweep(sweep, as_json, plot, ranks=ranks, api_servers=api_servers, workload=workload,
                requests=requests, seed=seed, policies=policies, params=parse_params(param),
-               profile=profile, dispatch=dispatch, view_interval_ms=view_interval_ms)
+               profile=profile, dispatch=dispatch, view_interval_ms=view_interval_ms, cost_model=cost_model)
         return
     try:
         doc, results = run(ranks=ranks, api_servers=api_servers, workload=workload, requests=requests,

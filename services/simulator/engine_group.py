@@ -226,7 +226,8 @@ class EngineGroup:
         mx = max(tokens)
         max_ctx = max(view.column(F_MAX_CTX))
         div = self.div
-        dur = self.cost.step_ms(mx / div if div > 1 else mx, max_ctx) / 1000.0
+        mean = sum(tokens) / len(tokens)
+        dur = self.cost.step_ms(mx / div if div > 1 else mx, max_ctx, mean / div if div > 1 else mean) / 1000.0
         t_end = now + dur
         for rs in self.ranks:
             rs.note_step(dur * 1000.0)

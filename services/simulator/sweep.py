@@ -14,6 +14,7 @@ have no rate: there ``f`` sizes the batch that arrives at t=0 to ``f x 20 s`` of
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,17 +22,19 @@ import numpy as np
 from services.simulator import profile as profile_mod
 from services.simulator import runner, workload
 from services.simulator.sim import SimConfig, run_ideal
+from shared.cost_model import CostModel
 
 OFFLINE_SECONDS = 20.0     # offline sweep: f x this many seconds of capacity arrive at t=0
 OFFLINE_KINDS = ("offline", "blog")
 
 
 def capacity(kind: str, requests: int, seed: int, ranks: int, api_servers: int,
-             profile: str | None = None) -> float:
+             profile: str | None = None, cost_model: Path | str | None = None) -> float:
     """Requests/s the perfectly balanced group completes when saturated (see above)."""
     prof = profile_mod.load(profile)
+    cost = CostModel.load(cost_model) if cost_model else prof.cost
     cfg = dataclasses.replace(SimConfig(), ranks=ranks, api_servers=api_servers, engine=prof.engine,
-                              cost=prof.cost, seed=seed)
+                              cost=cost, seed=seed)
     tr = workload.generate(kind, requests, 1.0, seed, api_servers, max_model_len=prof.engine.max_model_len)
     tr = dataclasses.replace(tr, t=np.zeros(len(tr)))
     ideal = run_ideal(tr, cfg)
@@ -42,13 +45,14 @@ def capacity(kind: str, requests: int, seed: int, ranks: int, api_servers: int,
 def load_sweep(fractions: list[float], *, ranks: int, api_servers: int, workload: str, requests: int,
                seed: int, policies: str, params: dict[str, Any] | None = None, profile: str | None = None,
                dispatch: str | None = None, view_interval_ms: float = 100.0,
-               progress: bool = False) -> dict[str, Any]:
-    cap = capacity(workload, requests, seed, ranks, api_servers, profile)
+               cost_model: Path | str | None = None, progress: bool = False) -> dict[str, Any]:
+    cap = capacity(workload, requests, seed, ranks, api_servers, profile, cost_model)
     points = []
     for f in fractions:
         kw: dict[str, Any] = dict(ranks=ranks, api_servers=api_servers, workload=workload, seed=seed,
                                   policies=policies, params=params, profile=profile, dispatch=dispatch,
-                                  view_interval_ms=view_interval_ms, progress=progress)
+                                  view_interval_ms=view_interval_ms, cost_model=cost_model,
+                                  progress=progress)
         if workload in OFFLINE_KINDS:
             kw.update(requests=max(1, int(round(f * OFFLINE_SECONDS * cap))), rate=1.0)
         else:
@@ -59,7 +63,8 @@ def load_sweep(fractions: list[float], *, ranks: int, api_servers: int, workload
     first = points[0] if points else {}
     return {"config": {"ranks": ranks, "api_servers": api_servers, "workload": workload, "seed": seed,
                        "requests": requests, "profile": profile_mod.load(profile).name,
-                       "dispatch": dispatch or "each system's own", "view_interval_ms": view_interval_ms},
+                       "dispatch": dispatch or "each system's own", "view_interval_ms": view_interval_ms,
+                       **({"cost_model": str(cost_model)} if cost_model else {})},
             "capacity": {"requests_per_s": cap,
                          "how": "requests / makespan of the same workload, all at t=0, on the perfectly "
                                 "balanced ideal group (services/simulator/sweep.py)"},
