@@ -40,12 +40,15 @@ import typer
 
 from services.admin.bench_render import render
 from services.admin.bench_run import run_bench
+from services.admin.cmd_common import given as given_options
 
+OFFLINE = ("offline", "blog")   # generated all at once: the rate does not apply
 DEFAULT_REQUESTS = 100
 DEFAULT_RATE = 8.0            # requests/s
 
 
 def bench(
+    ctx: typer.Context,
     url: Optional[str] = typer.Option(None, "--url", help="API base URL (default: the local cluster's)."),
     redis_url: Optional[str] = typer.Option(None, "--redis-url",
                                             help="Redis URL for the step stats (default: LOCKSTEP_REDIS_URL, else the local cluster's)."),
@@ -76,6 +79,19 @@ def bench(
         fail(f"--workload must be one of {', '.join(WORKLOADS)}, not {workload!r}")
     if trace is None and rate <= 0:
         fail("--rate must be > 0")
+    # Options another one makes moot are refused, not silently ignored.
+    given = given_options(ctx, "workload", "requests", "rate")
+    if trace is not None and given:
+        fail(f"--trace replays its own requests at its own times; {', '.join('--' + n for n in sorted(given))} "
+             "shape a generated workload: drop them, or drop --trace")
+    if load is not None and "rate" in given:
+        fail("--load sets the rate (a fraction of the capacity); drop --rate, or drop --load to give the rate")
+    if trace is None and workload in OFFLINE and (load is not None or "rate" in given):
+        fail(f"--workload {workload} sends every request at once: it has no rate for "
+             f"{'--load' if load is not None else '--rate'} to set; use a timed workload "
+             "(poisson, bursty, onoff, heavy-tail, ramp)")
+    if capacity is not None and capacity <= 0:
+        fail("--capacity must be > 0 requests/s")
     if url is None:
         state = local_state.read(namespace)
         if not state:

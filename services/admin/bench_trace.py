@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Optional
 
 
+ANY_API_SERVER = 1 << 31    # the bound on a trace line's api_server index (the field is not used)
+
+
 @dataclass(slots=True)
 class Item:
     t: float
@@ -21,7 +24,9 @@ def build_trace(workload: str, requests: int, rate: float, seed: int, trace: Opt
     """The requests to send: from ``trace`` when given, else generated."""
     from services.simulator.workload import generate, load_jsonl
 
-    tr = (load_jsonl(trace, seed=seed, max_model_len=max_model_len) if trace is not None
+    # A line's api_server is recorded, not used (every replica shares one port): any index
+    # is accepted, as many as the trace names (load_jsonl's default of 1 refused all but 0).
+    tr = (load_jsonl(trace, api_servers=ANY_API_SERVER, seed=seed, max_model_len=max_model_len) if trace is not None
           else generate(workload, requests, rate, seed, max_model_len=max_model_len))
     items = [Item(float(tr.t[i]), int(tr.prompt[i]), int(tr.output[i]), int(tr.api[i])) for i in range(len(tr))]
     t0 = items[0].t if items else 0.0

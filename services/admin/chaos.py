@@ -376,6 +376,11 @@ def chaos_cmd(
     if any was lost, duplicated or corrupt."""
     from shared.redis_server import ServerNotFound
 
+    if not fault_schedule(seed, duration, ranks, api_servers, every):   # a run that would test nothing
+        typer.echo(f"lockstep chaos: --duration {duration:g}{f' with --every {every:g}' if every else ''} leaves no "
+                   "time for a fault between the 3 s warm-up and the cooldown; use --duration 10 or more"
+                   + (" or a smaller --every" if every else ""), err=True)
+        raise typer.Exit(2)
     try:
         res = run_chaos(duration, seed, ranks, api_servers, concurrency, every, timeout, work_dir,
                         out=lambda m: typer.echo(m, err=True))

@@ -11,6 +11,7 @@ import orjson
 import typer
 
 from services.admin import local_state
+from services.admin.cmd_common import log_level_known
 from shared.policy.registry import DEFAULT_POLICY, PURPOSE, policy_names
 
 app = typer.Typer(
@@ -43,7 +44,7 @@ def up(
                                             help="Use this Redis instead of starting a private one: redis://, rediss://, "
                                                  "redis+cluster://HOST:PORT, redis+sentinel://HOST:PORT/SERVICE."),
     persist: Optional[str] = typer.Option(None, "--persist", help="Keep the embedded Redis data in this directory."),
-    time_scale: float = typer.Option(1.0, "--time-scale", help="sim backend: scale modeled device time (0 = none)."),
+    time_scale: float = typer.Option(1.0, "--time-scale", min=0.0, help="sim backend: scale modeled device time (0 = none)."),
     max_wait_ms: Optional[float] = typer.Option(None, "--max-wait-ms", min=0.0,
                                                 help="staggered: longest a request waits unplaced before its batch goes out "
                                                      "(LOCKSTEP_MAX_WAIT_MS; default: learned, about two steps)."),
@@ -74,7 +75,23 @@ def up(
         _fail(f"unknown --policy {policy!r}; choose one of: {', '.join(policy_names())}", 2)
     if dispatch not in ("scheduler", "client"):
         _fail(f"--dispatch must be 'scheduler' or 'client', not {dispatch!r}", 2)
-    from services.engine_worker.model.factory import check_checkpoint, is_checkpoint
+    if not log_level_known(log_level):
+        _fail(f"--log-level must be debug, info, warning or error, not {log_level!r}", 2)
+    # Options that only one path uses: refused on the others instead of silently ignored.
+    if persist and redis_url:
+        _fail("--persist keeps the data of the embedded Redis that `up` starts; with --redis-url (or "
+              "LOCKSTEP_REDIS_URL) that server keeps its own: configure persistence there, or drop --redis-url", 2)
+    if max_wait_ms is not None and policy != "staggered":
+        _fail(f"--max-wait-ms bounds the wait of a staggered batch; policy {policy!r} does not read it "
+              "(use --policy staggered --max-wait-ms MS, or drop --max-wait-ms)", 2)
+    if time_scale != 1.0 and backend != "sim":
+        _fail("--time-scale scales the sim backend's modeled device time; --backend torch runs the real model "
+              "(use --backend sim --time-scale X, or drop --time-scale)", 2)
+    from services.engine_worker.model.factory import check_checkpoint, check_dtype, is_checkpoint
+    try:
+        check_dtype(model or "", dtype)
+    except ValueError as exc:
+        _fail(str(exc), 2)
     model_env = {"LOCKSTEP_MODEL": model} if model else {}    # 'lockstep-moe' (the default) or 'random'
     if model and is_checkpoint(model):
         if backend != "torch":

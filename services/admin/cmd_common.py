@@ -35,6 +35,24 @@ def resolve(redis_url: str | None, namespace: str) -> str:
     return url
 
 
+def log_level_known(name: str) -> bool:
+    """A level the services' logging knows (an unknown one would silently log at info)."""
+    import logging
+    return isinstance(logging.getLevelName(name.upper()), int)
+
+
+def given(ctx: typer.Context, *names: str) -> set[str]:
+    """Which of the options ``names`` the command line (or the environment) set, rather than
+    left at their defaults: so a command can refuse one that another makes moot. (By name:
+    typer may run on its own copy of click, whose ParameterSource is another enum.)"""
+    out = set()
+    for n in names:
+        src = ctx.get_parameter_source(n)
+        if src is not None and src.name not in ("DEFAULT", "DEFAULT_MAP"):
+            out.add(n)
+    return out
+
+
 def emit_json(data: Any) -> None:
     typer.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode())
 

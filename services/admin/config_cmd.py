@@ -71,7 +71,10 @@ def config_cmd(service: Optional[str] = typer.Option(None, "--service", "-s",
         async def read(r: Any) -> dict[str, str]:
             return {as_str(k): as_str(v) for k, v in (await r.hgetall(K.Keys(namespace).cluster)).items()}
         cluster = asyncio.run(with_redis(url, read))
-    cfg = effective_config(dict(os.environ), cluster, namespace, url)
+    try:
+        cfg = effective_config(dict(os.environ), cluster, namespace, url)
+    except ValueError as exc:    # a LOCKSTEP_* value or combination the services would refuse
+        fail(str(exc), 2)
     if service:
         cfg = {service: cfg[service]}
     if json:

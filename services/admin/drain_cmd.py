@@ -10,7 +10,7 @@ from typing import Any, Optional
 import orjson
 import typer
 
-from services.admin.cmd_common import JSON_OPT, NS_OPT, URL_OPT, emit_json, fail, resolve, with_redis
+from services.admin.cmd_common import JSON_OPT, NS_OPT, URL_OPT, emit_json, fail, given, resolve, with_redis
 from shared import keys as K
 
 
@@ -42,11 +42,13 @@ async def rank_load(r: Any, keys: K.Keys, rank: int) -> dict[str, int]:
     return {"waiting": st.get("waiting", 0), "running": st.get("running", 0), "inbox_pending": pend}
 
 
-def drain_cmd(rank: int = typer.Argument(..., help="DP rank to drain."),
+def drain_cmd(ctx: typer.Context, rank: int = typer.Argument(..., help="DP rank to drain."),
               wait: bool = typer.Option(False, "--wait", help="Wait until the rank has finished its requests."),
               timeout: float = typer.Option(600.0, "--timeout", help="With --wait: give up after this many seconds."),
               namespace: str = NS_OPT, redis_url: Optional[str] = URL_OPT, json: bool = JSON_OPT) -> None:
     """Stop sending new work to RANK; its running requests finish there (undo with `resume`)."""
+    if not wait and given(ctx, "timeout"):
+        fail("--timeout bounds --wait; without --wait drain returns at once: add --wait, or drop --timeout", 2)
     url = resolve(redis_url, namespace)
     keys = K.Keys(namespace)
 

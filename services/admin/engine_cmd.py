@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import typer
 
 from services.admin import local_state
+from services.admin.cmd_common import log_level_known
 from services.admin.supervisor import Supervisor, tail
 from shared import keys as K
 from shared.advertise import AddressUnknown, route_addr
@@ -319,12 +320,19 @@ def register(app: typer.Typer) -> None:
             fail(f"--backend must be 'sim' or 'torch', not {backend!r}")
         if device not in ("cpu", "cuda"):
             fail(f"--device must be 'cpu' or 'cuda', not {device!r}")
+        if not log_level_known(log_level):
+            fail(f"--log-level must be debug, info, warning or error, not {log_level!r}")
         if not redis_url:
             fail("lockstep engine joins its group through Redis: pass --redis-url URL (or set LOCKSTEP_REDIS_URL)")
         if (ranks_per_host is None) != (host_index is None) or (ranks and host_index is not None):
             fail("give --ranks A-B, or both --ranks-per-host R and --host-index I (not both ways)")
         if not ranks and host_index is None and spares < 1:
             fail("say what runs here: --ranks A-B (this host's ranks), --spares K (hot spares), or both")
+        from services.engine_worker.model.factory import check_checkpoint, check_dtype, is_checkpoint
+        try:
+            check_dtype(model or "", dtype)
+        except ValueError as exc:
+            fail(str(exc))
         try:
             wanted = (parse_ranks(ranks) if ranks else host_ranks(host_index, ranks_per_host)
                       if host_index is not None else [])
@@ -335,7 +343,6 @@ def register(app: typer.Typer) -> None:
             fail(str(exc))
         extra = {}
         if model:
-            from services.engine_worker.model.factory import check_checkpoint, is_checkpoint
             extra["LOCKSTEP_MODEL"] = model
             if is_checkpoint(model):
                 if backend != "torch":

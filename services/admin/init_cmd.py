@@ -21,8 +21,11 @@ def init_cmd(namespace: str = NS_OPT, redis_url: Optional[str] = URL_OPT, json: 
 
     url = resolve(redis_url, namespace)
     env = dict(os.environ)
-    sched, eng, api = (S.SchedulerSettings.from_env(env), S.EngineSettings.from_env(env),
-                       S.ApiServerSettings.from_env(env))
+    try:
+        sched, eng, api = (S.SchedulerSettings.from_env(env), S.EngineSettings.from_env(env),
+                           S.ApiServerSettings.from_env(env))
+    except ValueError as exc:    # a LOCKSTEP_* value or combination the services would refuse
+        fail(str(exc), 2)
     record = {"ranks": sched.ranks, "api_servers": api.num_api_servers, "policy": sched.policy,
               "dispatch": sched.dispatch, "backend": eng.backend, "port": api.port, "started": time.time()}
     if eng.ranks != sched.ranks:

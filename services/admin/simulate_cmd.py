@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import typer
 
+from services.admin.cmd_common import given as given_options
+
 DEFAULT_RATE_PER_RANK = 3.0   # requests/s per rank when --rate is not given
 
 
@@ -34,6 +36,7 @@ def parse_params(items: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def simulate(
+    ctx: typer.Context,
     ranks: int = typer.Option(8, "--ranks", min=1, help="DP ranks in the engine group."),
     api_servers: int = typer.Option(1, "--api-servers", min=1, help="api-server replicas."),
     workload: str = typer.Option("bursty", "--workload", help="poisson | bursty | onoff | heavy-tail | ramp | offline | blog."),
@@ -56,6 +59,20 @@ def simulate(
 
     if dispatch not in (None, "scheduler", "client"):
         typer.echo("error: --dispatch is 'scheduler' or 'client'", err=True)
+        raise typer.Exit(2)
+    # Options another one makes moot are refused, not silently ignored.
+    given = given_options(ctx, "workload", "requests", "rate", "view_interval_ms")
+    refusal = None
+    if "view_interval_ms" in given and dispatch != "client":
+        refusal = ("--view-interval-ms is the client-dispatch view's period; without --dispatch client every "
+                   "system keeps its own (add --dispatch client, or drop --view-interval-ms)")
+    elif trace is not None and given & {"workload", "requests", "rate"}:
+        opts = ", ".join("--" + n for n in sorted(given & {"workload", "requests", "rate"}))
+        refusal = f"--trace replays its own requests at its own times; {opts} shape a generated workload: drop them, or drop --trace"
+    elif "rate" in given and workload in ("offline", "blog") and sweep is None:
+        refusal = f"--workload {workload} sends every request at once: it has no rate for --rate to set; drop --rate"
+    if refusal:
+        typer.echo(f"error: {refusal}", err=True)
         raise typer.Exit(2)
     if sweep is not None:
         if trace is not None:

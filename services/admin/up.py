@@ -121,8 +121,13 @@ class LocalCluster(Supervisor):
             "log_dir": str(self.log_dir), "started": time.time()})
 
     @property
+    def base_url(self) -> str:
+        host = self.o.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.o.port}"   # an IPv6 address in brackets
+
+    @property
     def api_url(self) -> str:
-        return f"http://{self.o.host}:{self.o.port}/v1"
+        return f"{self.base_url}/v1"
 
     async def _prepare_redis(self) -> None:
         o = self.o
@@ -162,7 +167,7 @@ class LocalCluster(Supervisor):
                 ranks_ready, leader = asyncio.run(self._probe_redis())
             if not api_ready:
                 try:
-                    api_ready = httpx.get(f"http://{self.o.host}:{self.o.port}/health", timeout=1.0).status_code == 200
+                    api_ready = httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200
                 except httpx.HTTPError:
                     api_ready = False
             if ranks_ready and api_ready and leader:

@@ -17,6 +17,19 @@ def is_checkpoint(model: str) -> bool:
     return model not in BUNDLED
 
 
+DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")   # what make_runner takes for a checkpoint
+
+
+def check_dtype(model: str, dtype: str) -> None:
+    """Refuse, before any process starts, a ``--dtype`` the ranks would fail on or ignore:
+    only a checkpoint directory is loaded in it (the bundled model runs in float32)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be auto, bfloat16 or float32, not {dtype!r}")
+    if dtype != "auto" and not is_checkpoint(model):
+        raise ValueError(f"--dtype {dtype} applies to a checkpoint (--model DIR); the bundled model "
+                         f"({model or 'lockstep-moe'}) always runs in float32: drop --dtype")
+
+
 def check_checkpoint(model: str, ranks: int, max_model_len: int) -> Any:
     """Refuse, with what to do instead, a directory that cannot be served by ``ranks`` ranks
     (before any process starts). Returns its HFConfig."""

@@ -1,0 +1,230 @@
+"""Every option a `lockstep` command accepts is honored, or the combination that would make
+it moot is refused at once with what to use instead (exit 2, no traceback): the rule of
+`lockstep up` ("every combination up accepts works"), for every command. Each case here was
+an option silently ignored, or a crash, on some path.
+
+Nothing here starts a cluster: `up` and `chaos` get a stand-in that fails loudly if they
+get as far as starting one (what they did before the refusals)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from services.admin import bench_cmd, chaos
+from services.admin.cli import app
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture()
+def no_start(monkeypatch, tmp_path):
+    """`lockstep up` that gets past its checks reports 'would start' (exit 1), starting nothing."""
+    from services.admin import up as up_mod
+
+    class NoCluster(up_mod.LocalCluster):
+        def start(self) -> None:
+            raise RuntimeError("would start a cluster")
+
+        def stop(self, timeout_s: float = 10.0) -> None:
+            pass
+
+    monkeypatch.setattr(up_mod, "LocalCluster", NoCluster)
+    monkeypatch.setenv("LOCKSTEP_STATE_DIR", str(tmp_path / "state"))
+    for var in ("LOCKSTEP_REDIS_URL", "LOCKSTEP_MODEL", "LOCKSTEP_NAMESPACE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _refused(res, *needles: str) -> None:
+    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    for n in needles:
+        assert n in res.stderr, (n, res.stderr)
+
+
+# ---------------------------------------------------------------------------- up
+def test_up_refuses_persist_with_an_external_redis(no_start, tmp_path):
+    # --persist only reaches the embedded server; with a URL it was dropped silently
+    res = _cli("up", "--backend", "sim", "--redis-url", "redis://127.0.0.1:1/0", "--persist", str(tmp_path / "d"))
+    _refused(res, "--persist", "drop --redis-url")
+
+
+def test_up_refuses_max_wait_ms_without_staggered(no_start):
+    # only the staggered policy reads LOCKSTEP_MAX_WAIT_MS (services/scheduler/service.py)
+    res = _cli("up", "--backend", "sim", "--max-wait-ms", "50")
+    _refused(res, "--max-wait-ms", "policy 'waterfill'", "--policy staggered")
+    res = _cli("up", "--backend", "sim", "--policy", "least_score", "--max-wait-ms", "50")
+    _refused(res, "policy 'least_score'")
+    res = _cli("up", "--backend", "sim", "--policy", "staggered", "--max-wait-ms", "50")
+    assert res.exit_code == 1 and "would start a cluster" in res.stderr, res.output   # accepted
+
+
+def test_up_refuses_time_scale_on_torch_and_a_negative_one(no_start):
+    # the torch backend reads no time_scale (only the sim forward and wait_scale do)
+    res = _cli("up", "--backend", "torch", "--time-scale", "3")
+    _refused(res, "--time-scale", "--backend sim")
+    res = _cli("up", "--backend", "sim", "--time-scale", "-1")
+    _refused(res, "--time-scale")
+    for ok in (["--backend", "torch", "--time-scale", "1"], ["--backend", "sim", "--time-scale", "0"]):
+        res = _cli("up", *ok)
+        assert res.exit_code == 1 and "would start a cluster" in res.stderr, (ok, res.output)
+
+
+def test_up_and_engine_refuse_a_dtype_the_ranks_would_ignore_or_fail_on(no_start):
+    # --dtype reached the ranks only with a checkpoint; a bad value failed there, after start
+    res = _cli("up", "--dtype", "bfloat16")
+    _refused(res, "--dtype bfloat16 applies to a checkpoint", "float32")
+    res = _cli("up", "--model", "random", "--dtype", "float32")
+    _refused(res, "--dtype float32 applies to a checkpoint")
+    res = _cli("up", "--dtype", "fp16")
+    _refused(res, "--dtype must be auto, bfloat16 or float32")
+    res = _cli("engine", "--ranks", "0", "--redis-url", "redis://127.0.0.1:1/0", "--dtype", "bfloat16")
+    _refused(res, "--dtype bfloat16 applies to a checkpoint")
+
+
+def test_up_and_engine_refuse_an_unknown_log_level(no_start):
+    # an unknown level made every service log at info without a word
+    _refused(_cli("up", "--backend", "sim", "--log-level", "verbose"), "--log-level", "'verbose'")
+    _refused(_cli("engine", "--ranks", "0", "--redis-url", "redis://127.0.0.1:1/0", "--log-level", "loud"),
+             "--log-level")
+    res = _cli("up", "--backend", "sim", "--log-level", "WARNING")
+    assert res.exit_code == 1 and "would start a cluster" in res.stderr, res.output
+
+
+def test_up_reaches_an_ipv6_listen_address(monkeypatch, tmp_path):
+    # the api-servers bind an IPv6 --host (AF_INET6), but `up` probed http://::1:8000/health:
+    # httpx.InvalidURL, not an HTTPError, so `up --host ::1` ended in a traceback
+    import httpx
+
+    from services.admin import up as up_mod
+
+    monkeypatch.setenv("LOCKSTEP_STATE_DIR", str(tmp_path / "state"))
+    seen = []
+
+    class Ok:
+        status_code = 200
+
+    def get(url, timeout):
+        httpx.URL(url)                      # raises InvalidURL on a bare IPv6 address
+        seen.append(url)
+        return Ok()
+
+    monkeypatch.setattr(up_mod.httpx, "get", get)
+    cluster = up_mod.LocalCluster(up_mod.UpOptions(host="::1", port=8123, ranks=1))
+
+    async def probe():
+        return True, True
+
+    monkeypatch.setattr(cluster, "_probe_redis", probe)
+    cluster._wait_ready()
+    assert seen == ["http://[::1]:8123/health"]
+    assert cluster.api_url == "http://[::1]:8123/v1"
+    assert up_mod.LocalCluster(up_mod.UpOptions(host="127.0.0.1", port=8000)).api_url == "http://127.0.0.1:8000/v1"
+
+
+# ---------------------------------------------------------------------------- bench
+@pytest.fixture()
+def fake_bench(monkeypatch):
+    calls = []
+
+    async def fake_run_bench(url, redis_url, namespace, workload, requests, rate, seed, trace, *a,
+                             at_once=False, **kw):
+        calls.append((workload, requests, rate, trace, at_once))
+        return {"url": url, "namespace": namespace, "model": "m", "trace": workload, "requests": requests,
+                "completed": requests, "failed": 0, "duration_s": 2.0, "throughput_tok_s": 1.0,
+                "balance_ratio": 0.9, "idle_forward_fraction": 0.0}
+
+    monkeypatch.setattr(bench_cmd, "run_bench", fake_run_bench)
+    return calls
+
+
+BENCH = ("bench", "--url", "http://x", "--redis-url", "redis://h:1/0", "--json")
+
+
+def test_bench_refuses_generator_options_with_a_trace(fake_bench, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"t": 0, "prompt_tokens": 8, "output_tokens": 2}\n')
+    for extra in (["--rate", "20"], ["--workload", "bursty"], ["--requests", "5"]):
+        _refused(_cli(*BENCH, "--trace", str(trace), *extra), "--trace", extra[0])
+    assert fake_bench == []
+    res = _cli(*BENCH, "--trace", str(trace), "--seed", "3")
+    assert res.exit_code == 0 and len(fake_bench) == 1, res.output
+
+
+def test_bench_refuses_a_rate_that_would_not_apply(fake_bench):
+    # offline/blog send everything at once: --load and --rate used to be dropped silently
+    _refused(_cli(*BENCH, "--workload", "offline", "--load", "0.5", "--capacity", "4"), "offline", "--load")
+    _refused(_cli(*BENCH, "--workload", "blog", "--rate", "2"), "blog", "--rate")
+    # --load sets the rate: an explicit --rate beside it was overwritten
+    _refused(_cli(*BENCH, "--load", "0.5", "--capacity", "4", "--rate", "3"), "drop --rate")
+    # a zero capacity gave rate 0 and the generator's "rate must be > 0"
+    _refused(_cli(*BENCH, "--load", "0.5", "--capacity", "0"), "--capacity must be > 0")
+    assert fake_bench == []
+    res = _cli(*BENCH, "--workload", "offline", "--requests", "4")
+    assert res.exit_code == 0 and fake_bench == [("offline", 4, bench_cmd.DEFAULT_RATE, None, False)], res.output
+
+
+def test_bench_replays_a_trace_that_names_api_servers(tmp_path):
+    # load_jsonl's default of one api-server refused any line with api_server >= 1, naming
+    # an --api-servers flag bench does not have
+    from services.admin.bench_trace import build_trace
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"t": i * 0.5, "prompt_tokens": 8, "output_tokens": 2, "api_server": i})
+                               for i in range(4)) + "\n")
+    name, items = build_trace("poisson", 100, 8.0, 0, trace)
+    assert [(it.t, it.prompt_tokens, it.output_tokens, it.api) for it in items] == [
+        (i * 0.5, 8, 2, i) for i in range(4)]
+
+
+# ---------------------------------------------------------------------------- simulate
+def test_simulate_refuses_options_its_path_does_not_read(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"t": 0, "prompt_tokens": 8, "output_tokens": 2}\n')
+    small = ("simulate", "--ranks", "2", "--requests", "5", "--policies", "least_score", "--json")
+    # the view period applies to client dispatch only; each system's own otherwise
+    res = _cli(*small, "--view-interval-ms", "50")
+    assert res.exit_code == 2 and "--view-interval-ms" in res.output and "--dispatch client" in res.output
+    res = _cli(*small, "--dispatch", "scheduler", "--view-interval-ms", "50")
+    assert res.exit_code == 2 and "--view-interval-ms" in res.output
+    res = _cli("simulate", "--ranks", "2", "--policies", "least_score", "--trace", str(trace), "--rate", "9")
+    assert res.exit_code == 2 and "--trace" in res.output and "--rate" in res.output
+    res = _cli(*small, "--workload", "offline", "--rate", "9")
+    assert res.exit_code == 2 and "offline" in res.output and "--rate" in res.output
+    res = _cli(*small, "--dispatch", "client", "--view-interval-ms", "50")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["config"]["dispatch"] == "client"
+
+
+# ---------------------------------------------------------------------------- the rest
+def test_drain_refuses_timeout_without_wait():
+    res = _cli("drain", "1", "--timeout", "5", "--redis-url", "redis://127.0.0.1:1/0")
+    _refused(res, "--timeout", "--wait")
+
+
+def test_init_and_config_refuse_bad_settings_without_a_traceback(redis_url, namespace, monkeypatch, tmp_path):
+    monkeypatch.setenv("LOCKSTEP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("LOCKSTEP_REDIS_URL", raising=False)
+    monkeypatch.setenv("LOCKSTEP_POLICY", "staggered")
+    monkeypatch.setenv("LOCKSTEP_DISPATCH", "client")
+    _refused(_cli("init", "--redis-url", redis_url, "-n", namespace), "needs dispatch 'scheduler'")
+    _refused(_cli("config", "-n", namespace), "needs dispatch 'scheduler'")
+    monkeypatch.delenv("LOCKSTEP_DISPATCH")
+    monkeypatch.setenv("LOCKSTEP_NUM_KV_BLOCKS", "many")
+    _refused(_cli("init", "--redis-url", redis_url, "-n", namespace), "LOCKSTEP_NUM_KV_BLOCKS")
+    _refused(_cli("config", "--redis-url", redis_url, "-n", namespace), "LOCKSTEP_NUM_KV_BLOCKS")
+
+
+def test_chaos_refuses_a_run_with_no_fault(monkeypatch):
+    # --duration 5..9 (min 5) injected nothing and passed
+    def started(*a, **kw):
+        raise RuntimeError("would start a cluster")
+
+    monkeypatch.setattr(chaos, "run_chaos", started)
+    _refused(_cli("chaos", "--duration", "8"), "no time for a fault", "--duration 10")
+    res = _cli("chaos", "--duration", "30")
+    assert res.exit_code == 2 and "would start a cluster" in res.stderr, res.output
