@@ -190,27 +190,6 @@ def test_engines_echo_dispatch_seq_in_stats():
     assert r.counters["aggregator"]["published"] > 0
 
 
-def test_cli_json_is_one_object(tmp_path):
-    app = typer.Typer()
-    register(app)
-
-    @app.command("noop")
-    def _noop() -> None:  # a second command keeps typer in sub-command mode
-        pass
-
-    png = tmp_path / "p.png"
-    res = CliRunner().invoke(app, ["simulate", "--ranks", "2", "--api-servers", "2", "--requests", "60",
-                                   "--rate", "10", "--policies", "least_score,vllm", "--json",
-                                   "--plot", str(png)])
-    assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
-    assert set(doc) >= {"config", "policies"}
-    for p in doc["policies"].values():
-        assert set(p) >= {"balance_ratio", "idle_forward_fraction", "ttft_p50_ms", "ttft_p99_ms",
-                          "itl_p50_ms", "throughput_tok_s", "efficiency_vs_ideal", "completed"}
-    assert png.stat().st_size > 1000
-
-
 def _simulate_cli(args):
     app = typer.Typer()
     register(app)
@@ -220,6 +199,19 @@ def _simulate_cli(args):
         pass
 
     return CliRunner().invoke(app, ["simulate", *args])
+
+
+def test_cli_json_is_one_object(tmp_path):
+    png = tmp_path / "p.png"
+    res = _simulate_cli(["--ranks", "2", "--api-servers", "2", "--requests", "60", "--rate", "10",
+                         "--policies", "least_score,vllm", "--json", "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert set(doc) >= {"config", "policies"}
+    for p in doc["policies"].values():
+        assert set(p) >= {"balance_ratio", "idle_forward_fraction", "ttft_p50_ms", "ttft_p99_ms",
+                          "itl_p50_ms", "throughput_tok_s", "efficiency_vs_ideal", "completed"}
+    assert png.stat().st_size > 1000
 
 
 def test_a_sweep_runs_on_the_given_cost_model(tmp_path):
