@@ -195,6 +195,8 @@ def test_simulate_refuses_options_its_path_does_not_read(tmp_path):
     assert res.exit_code == 2 and "--trace" in res.output and "--rate" in res.output
     res = _cli(*small, "--workload", "offline", "--rate", "9")
     assert res.exit_code == 2 and "offline" in res.output and "--rate" in res.output
+    res = _cli(*small, "--sweep", "0.5", "--rate", "9")    # the sweep sets the rate at each load
+    assert res.exit_code == 2 and "--sweep" in res.output and "--rate" in res.output
     res = _cli(*small, "--dispatch", "client", "--view-interval-ms", "50")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["config"]["dispatch"] == "client"

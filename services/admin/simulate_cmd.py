@@ -69,7 +69,9 @@ def simulate(
     elif trace is not None and given & {"workload", "requests", "rate"}:
         opts = ", ".join("--" + n for n in sorted(given & {"workload", "requests", "rate"}))
         refusal = f"--trace replays its own requests at its own times; {opts} shape a generated workload: drop them, or drop --trace"
-    elif "rate" in given and workload in ("offline", "blog") and sweep is None:
+    elif "rate" in given and sweep is not None:
+        refusal = "--sweep sets the rate at each load (a fraction of the measured capacity); drop --rate"
+    elif "rate" in given and workload in ("offline", "blog"):
         refusal = f"--workload {workload} sends every request at once: it has no rate for --rate to set; drop --rate"
     if refusal:
         typer.echo(f"error: {refusal}", err=True)
