@@ -8,9 +8,6 @@ from pathlib import Path
 from typing import Optional
 
 
-ANY_API_SERVER = 1 << 31    # the bound on a trace line's api_server index (the field is not used)
-
-
 @dataclass(slots=True)
 class Item:
     t: float
@@ -25,8 +22,8 @@ def build_trace(workload: str, requests: int, rate: float, seed: int, trace: Opt
     from services.simulator.workload import generate, load_jsonl
 
     # A line's api_server is recorded, not used (every replica shares one port): any index
-    # is accepted, as many as the trace names (load_jsonl's default of 1 refused all but 0).
-    tr = (load_jsonl(trace, api_servers=ANY_API_SERVER, seed=seed, max_model_len=max_model_len) if trace is not None
+    # is kept, as many as the trace names (load_jsonl's default of 1 refused all but 0).
+    tr = (load_jsonl(trace, api_servers=None, seed=seed, max_model_len=max_model_len) if trace is not None
           else generate(workload, requests, rate, seed, max_model_len=max_model_len))
     items = [Item(float(tr.t[i]), int(tr.prompt[i]), int(tr.output[i]), int(tr.api[i])) for i in range(len(tr))]
     t0 = items[0].t if items else 0.0

@@ -224,11 +224,13 @@ def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
     return Trace(t=t, prompt=prompt, output=output, api=api, name=kind)
 
 
-def load_jsonl(path: str | Path, api_servers: int = 1, seed: int = 0,
+def load_jsonl(path: str | Path, api_servers: int | None = 1, seed: int = 0,
                max_model_len: int = 4096) -> Trace:
     """Read ``{"t", "prompt_tokens", "output_tokens"[, "max_tokens", "api_server"]}`` per
     line. Requests without ``api_server`` are spread over the api-servers at random
-    (seeded); without ``max_tokens`` the cap is ``max_model_len - prompt``."""
+    (seeded); without ``max_tokens`` the cap is ``max_model_len - prompt``. With
+    ``api_servers=None`` (a replay that does not route by it) any index is kept as recorded
+    and a line without one gets 0."""
     ts, ps, os_, apis, caps = [], [], [], [], []
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.strip()
@@ -252,8 +254,8 @@ def load_jsonl(path: str | Path, api_servers: int = 1, seed: int = 0,
     rng = np.random.default_rng(seed)
     api = np.asarray(apis, dtype=np.int64)
     missing = api < 0
-    api[missing] = rng.integers(0, max(1, api_servers), int(missing.sum()))
-    if (api >= api_servers).any():
+    api[missing] = rng.integers(0, max(1, api_servers or 1), int(missing.sum()))
+    if api_servers is not None and (api >= api_servers).any():
         raise ValueError(f"{path}: api_server index >= --api-servers ({api_servers})")
     prompt, output = _clip(np.asarray(ps, dtype=np.int64), np.asarray(os_, dtype=np.int64), max_model_len)
     cap = np.asarray(caps, dtype=np.int64)
