@@ -65,6 +65,9 @@ class SettingsError(ValueError):
         super().__init__("; ".join(msgs))
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 class Settings(BaseSettings):
     """Base: fields shared by every service. Constructing one reads only its arguments (a
     test's or the simulator's settings never pick up the process's env); ``from_env`` reads
@@ -75,6 +78,14 @@ class Settings(BaseSettings):
     redis_url: str = Field("", description="Redis URL (redis://, rediss:// for TLS, user:password@ for ACL).")
     namespace: str = Field("ls", description="Key prefix, so several clusters can share one Redis.")
     log_level: str = Field("info", description="debug, info, warning or error.")
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, v: str) -> str:
+        # an unknown level made the service log at info without a word (shared/logging.py)
+        if v.lower() not in LOG_LEVELS:
+            raise ValueError(f"must be {', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]}")
+        return v.lower()
 
     def __init__(self, **values: Any) -> None:
         # The arguments only, validated as a plain model: BaseSettings.__init__ would read

@@ -174,11 +174,12 @@ def test_bench_replays_a_trace_that_names_api_servers(tmp_path):
     from services.admin.bench_trace import build_trace
 
     trace = tmp_path / "t.jsonl"
-    trace.write_text("\n".join(json.dumps({"t": i * 0.5, "prompt_tokens": 8, "output_tokens": 2, "api_server": i})
-                               for i in range(4)) + "\n")
+    lines = [{"t": i * 0.5, "prompt_tokens": 8, "output_tokens": 2, "api_server": i} for i in range(4)]
+    lines.append({"t": 2.0, "prompt_tokens": 8, "output_tokens": 2})   # none recorded: 0, not a random index
+    trace.write_text("\n".join(json.dumps(d) for d in lines) + "\n")
     name, items = build_trace("poisson", 100, 8.0, 0, trace)
     assert [(it.t, it.prompt_tokens, it.output_tokens, it.api) for it in items] == [
-        (i * 0.5, 8, 2, i) for i in range(4)]
+        (i * 0.5, 8, 2, i) for i in range(4)] + [(2.0, 8, 2, 0)]
 
 
 # ---------------------------------------------------------------------------- simulate
@@ -219,6 +220,9 @@ def test_init_and_config_refuse_bad_settings_without_a_traceback(redis_url, name
     monkeypatch.setenv("LOCKSTEP_NUM_KV_BLOCKS", "many")
     _refused(_cli("init", "--redis-url", redis_url, "-n", namespace), "LOCKSTEP_NUM_KV_BLOCKS")
     _refused(_cli("config", "--redis-url", redis_url, "-n", namespace), "LOCKSTEP_NUM_KV_BLOCKS")
+    monkeypatch.delenv("LOCKSTEP_NUM_KV_BLOCKS")
+    monkeypatch.setenv("LOCKSTEP_LOG_LEVEL", "loud")    # every service logged at info without a word
+    _refused(_cli("init", "--redis-url", redis_url, "-n", namespace), "LOCKSTEP_LOG_LEVEL='loud'", "warning")
 
 
 def test_chaos_refuses_a_run_with_no_fault(monkeypatch):

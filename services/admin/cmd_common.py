@@ -36,9 +36,9 @@ def resolve(redis_url: str | None, namespace: str) -> str:
 
 
 def log_level_known(name: str) -> bool:
-    """A level the services' logging knows (an unknown one would silently log at info)."""
-    import logging
-    return isinstance(logging.getLevelName(name.upper()), int)
+    """A level the services' settings take (checked before any of them starts)."""
+    from shared.settings import LOG_LEVELS
+    return name.lower() in LOG_LEVELS
 
 
 def given(ctx: typer.Context, *names: str) -> set[str]:
