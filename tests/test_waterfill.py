@@ -294,6 +294,40 @@ def test_min_delay_lets_a_lone_prefill_wait_for_company_but_not_past_its_deadlin
     assert now <= 0.200 + 0.010
 
 
+IDLE = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=1000, max_delay_ms=3000.0,
+                    min_delay_ms=200.0, step_ms=10.0, idle_wait_ms=30.0)
+
+
+def _prefilled_by(ranks, now=0.0, tokens=1500):
+    """When rank 0 has computed ``tokens`` of its prompt, stepping every 10 ms from ``now``."""
+    done = 0
+    while done < tokens:
+        done += _step(ranks, now)[0]
+        now += 0.010
+    return now - 0.010
+
+
+def test_a_lone_prefill_in_an_idle_group_waits_only_idle_wait_ms():
+    """With nothing decoding anywhere and nothing else pending, a lone prefill step delays no
+    one, and company is unlikely (arrivals are sparse, or something would decode): a single
+    request on an idle `lockstep up` (4 torch ranks on CPU) waited the whole 200 ms for
+    company, TTFT 217 ms against 51 ms without coordinated prefill; now 56 ms."""
+    ranks = [_rank(0, [1500], IDLE), _rank(1, [], IDLE)]
+    assert _prefilled_by(ranks) <= 0.030 + 0.010
+
+
+def test_a_lone_prefill_beside_decodes_still_waits_for_company():
+    # rank 1 decodes: a lone prefill step on rank 0 would stall it, so the 200 ms wait holds
+    ranks = [_rank(0, [], IDLE), _rank(1, [8], IDLE)]
+    core = ranks[1].core
+    core.postprocess(core.schedule(), {"1-0": 5}, 0.0)     # its prompt done: it decodes from now on
+    _step(ranks, 0.0)                                       # every rank has seen a view with a decode
+    q = Sequence("0-0", list(range(1500)), SamplingParams(max_tokens=16))
+    ranks[0].core.add(q)
+    ranks[0].arrived(q, 0.0)
+    assert 0.030 + 0.010 < _prefilled_by(ranks) <= 0.200 + 0.010   # paced toward 200 ms, not 30
+
+
 def _small_group(backlog_steps, prompts):
     cfg = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=1000, max_delay_ms=3000.0,
                        min_delay_ms=200.0, step_ms=10.0, backlog_steps=backlog_steps)

@@ -41,6 +41,7 @@ class RankStep:
         self.last_step_ms = 0.0                   # measured duration of the last step (deadline planning)
         self.capped_steps = 0                     # consecutive steps the budget capped this rank's prefill
         self.backlog = 0.0                        # prefill pending on the other ranks, in full steps (last view)
+        self.group_idle = True                    # last view: no rank decoded, none other had prefill pending
         self.meter = BusyMeter(budget.busy_level, budget.busy_tau_s) if budget is not None else None
         self.clock = StepClock(budget.max_tokens) if budget is not None else None
         self.step_tokens = 0                      # the busiest rank's tokens in the step last decided
@@ -107,6 +108,8 @@ class RankStep:
         if cfg.min_balance > 0:
             lo, hi = self.delays_ms()
             delay = max(lo, hi * min(1.0, self.backlog / self._backlog_steps()))
+            if self.group_idle:   # nobody decodes, nobody else prefills: a lone step delays no one
+                delay = min(delay, cfg.idle_wait_ms)
         return must_tokens(plan.decode_tokens, pending, now_ms, self.last_step_ms, cfg, delay), queued
 
     def decide(self, plan: StepPlan, view: StepView, now_s: float) -> tuple[Action, int]:
@@ -124,6 +127,7 @@ class RankStep:
             q = view.column(F_QUEUED)
             full = len(q) * self.budget.max_tokens
             self.backlog = (_queued(view) - q[self.rank]) / full
+            self.group_idle = self.backlog == 0 and _decodes(view) == 0
             self.meter.observe(_queued(view) / full, now_s)
             planned = plan.num_tokens
             trim_plan(plan, allowed(plan.decode_tokens, plan.num_tokens, T))
@@ -194,6 +198,14 @@ def _queued(view: StepView) -> int:
     total = view.memo.get("queued")
     if total is None:
         total = view.memo["queued"] = sum(view.column(F_QUEUED))
+    return total
+
+
+def _decodes(view: StepView) -> int:
+    """The group's decode tokens this step (once per view)."""
+    total = view.memo.get("decodes")
+    if total is None:
+        total = view.memo["decodes"] = sum(view.column(F_DECODE))
     return total
 
 
