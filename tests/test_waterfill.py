@@ -301,7 +301,7 @@ IDLE = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=1000, max
 def _prefilled_by(ranks, now=0.0, tokens=1500):
     """When rank 0 has computed ``tokens`` of its prompt, stepping every 10 ms from ``now``."""
     done = 0
-    while done < tokens:
+    while done < tokens and now < 5.0:                      # bounded: a deadline runs it in full
         done += _step(ranks, now)[0]
         now += 0.010
     return now - 0.010
