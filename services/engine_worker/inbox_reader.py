@@ -4,6 +4,7 @@ ones again, page by page; entries a wake-up read admitted before they were claim
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from services.engine_worker.rank_state import RankState
@@ -37,6 +38,17 @@ class InboxReader:
         # A restarted server may have lost the consumer group: recreate it.
         self._reread_from = "0"
         await ensure_group(self.r, self.keys.inbox(self.state.rank), K.ENGINE_GROUP, "0")
+
+    async def poll(self, wait_ms: float, count: int) -> None:
+        """Wait ``wait_ms``, then take what reached the inbox meanwhile (a held group's
+        rounds). The wait is a client-side sleep and the read does not block: a server-side
+        BLOCK this short ends only at the server's next cron tick when nothing arrives,
+        100 ms at Redis' and Valkey's default ``hz`` of 10 (a 2 ms hold round took 100)."""
+        await asyncio.sleep(wait_ms / 1000.0)
+        pipe = Recorder()
+        pipe.xreadgroup(K.ENGINE_GROUP, self.consumer, {self.keys.inbox(self.state.rank): self.read_from()},
+                        count=count)
+        self.take((await self.execute(pipe))[-1])
 
     def read_from(self) -> str | bytes:
         """'>' (new entries), or after a possibly lost reply this consumer's own pending

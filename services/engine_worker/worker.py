@@ -41,7 +41,7 @@ from services.engine_worker.step_view import F_STOP
 from shared import keys as K
 from shared import trace
 from shared.advertise import AddressUnknown, resolve
-from shared.bus import Recorder, open_service_connection, retrying
+from shared.bus import open_service_connection, retrying
 from shared.cost_model import CostModel
 from shared.logging import configure
 from shared.settings import EngineSettings
@@ -250,11 +250,7 @@ class EngineWorker:
     async def _hold(self) -> None:
         """Wait briefly for inbox entries (the rest of a batch) without a forward."""
         await self.outputs.flush()
-        pipe = Recorder()
-        pipe.xreadgroup(K.ENGINE_GROUP, self.reader.consumer,
-                        {self.keys.inbox(self.state.rank): self.reader.read_from()},
-                        count=max(1, self.s.max_num_seqs * 2), block=HOLD_POLL_MS)
-        self.reader.take((await self.reader.execute(pipe))[-1])
+        await self.reader.poll(HOLD_POLL_MS, max(1, self.s.max_num_seqs * 2))
 
 
 def main(settings: EngineSettings) -> int:
