@@ -181,9 +181,10 @@ def test_the_sim_backends_time_scale_stretches_the_waits_tuned_to_the_device():
     from shared.settings import EngineSettings
     base = from_settings(EngineSettings(backend="sim"))
     slow = from_settings(EngineSettings(backend="sim", time_scale=10))
-    assert (slow.min_delay_ms, slow.max_delay_ms, slow.busy_tau_s, slow.idle_wait_ms) == pytest.approx(
-        (10 * base.min_delay_ms, 10 * base.max_delay_ms, 10 * base.busy_tau_s, 10 * base.idle_wait_ms))
-    assert base.idle_wait_ms == 30.0
+    assert (slow.min_delay_ms, slow.max_delay_ms, slow.busy_tau_s, slow.idle_wait_ms, slow.idle_hold_ms) == \
+        pytest.approx((10 * base.min_delay_ms, 10 * base.max_delay_ms, 10 * base.busy_tau_s,
+                       10 * base.idle_wait_ms, 10 * base.idle_hold_ms))
+    assert (base.idle_wait_ms, base.idle_hold_ms) == (30.0, 5.0)
     assert (slow.backlog_steps, slow.max_capped_steps, slow.min_balance) == \
         (base.backlog_steps, base.max_capped_steps, base.min_balance)       # counted in steps: unscaled
     # the waits in full steps: the measured step is already slow, so they scale by themselves

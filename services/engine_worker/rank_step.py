@@ -42,6 +42,7 @@ class RankStep:
         self.capped_steps = 0                     # consecutive steps the budget capped this rank's prefill
         self.backlog = 0.0                        # prefill pending on the other ranks, in full steps (last view)
         self.group_idle = True                    # last view: no rank decoded, none other had prefill pending
+        self.group_quiet = True                   # last view: no rank decoded
         self.meter = BusyMeter(budget.busy_level, budget.busy_tau_s) if budget is not None else None
         self.clock = StepClock(budget.max_tokens) if budget is not None else None
         self.step_tokens = 0                      # the busiest rank's tokens in the step last decided
@@ -102,6 +103,8 @@ class RankStep:
                         break
         queued = sum(p for _, p in pending)
         cfg = self.budget
+        if self._idle_hold(plan, pending, now_ms):
+            return 0, queued
         # a prefill may wait for company min_delay, longer in proportion to the prefill
         # pending on the other ranks (what it could share a balanced step with)
         delay = None
@@ -110,7 +113,19 @@ class RankStep:
             delay = max(lo, hi * min(1.0, self.backlog / self._backlog_steps()))
             if self.group_idle:   # nobody decodes, nobody else prefills: a lone step delays no one
                 delay = min(delay, cfg.idle_wait_ms)
+            if cfg.step_ms <= 0 and self.last_step_ms <= 0:   # no step measured yet: crumbs
+                delay = 0.0                                    # paced by a guess only delay it
         return must_tokens(plan.decode_tokens, pending, now_ms, self.last_step_ms, cfg, delay), queued
+
+    def _idle_hold(self, plan: StepPlan, pending: list[tuple[float, int]], now_ms: float) -> bool:
+        """No rank decoded in the last step and this rank's oldest pending prefill arrived
+        less than ``idle_hold_ms`` ago: report no tokens needed, so that the group holds
+        while requests sent together reach the other ranks (the budget ends the hold once
+        every rank has prefill, or any rank's hold is over)."""
+        hold = self.budget.idle_hold_ms
+        if hold <= 0 or not self.group_quiet or plan.decode_tokens or not pending:
+            return False
+        return now_ms - min(s for s, _ in pending) < hold
 
     def decide(self, plan: StepPlan, view: StepView, now_s: float) -> tuple[Action, int]:
         """Apply the group's rows: token alignment (trims ``plan``), the batch gate's
@@ -127,11 +142,13 @@ class RankStep:
             q = view.column(F_QUEUED)
             full = len(q) * self.budget.max_tokens
             self.backlog = (_queued(view) - q[self.rank]) / full
-            self.group_idle = self.backlog == 0 and _decodes(view) == 0
+            self.group_quiet = _decodes(view) == 0
+            self.group_idle = self.backlog == 0 and self.group_quiet
             self.meter.observe(_queued(view) / full, now_s)
             planned = plan.num_tokens
             trim_plan(plan, allowed(plan.decode_tokens, plan.num_tokens, T))
-            self.capped_steps = self.capped_steps + 1 if plan.num_tokens < planned else 0
+            if T:   # a hold (no forward) is not a capped step
+                self.capped_steps = self.capped_steps + 1 if plan.num_tokens < planned else 0
             if plan.dropped and plan.admitted:   # capped to nothing: release their KV too
                 gone = set(plan.dropped)
                 self.core.unadmit([q for q in plan.admitted if q.id in gone])
@@ -175,7 +192,9 @@ class RankStep:
         """This step's shared token budget (the same on every rank: a function of the rows)."""
         cfg = self.budget
         decode, tokens, must = view.column(F_DECODE), view.column(F_TOKENS), view.column(F_MUST)
-        if cfg.min_balance > 0:
+        if cfg.min_balance > 0 and _holding(view, cfg.max_tokens):
+            T = 0   # an idle group whose prefills all just arrived, some rank still without: no forward
+        elif cfg.min_balance > 0:
             # the largest budget most ranks can fill; a rank capped max_capped_steps in a row runs
             T = balanced_budget(decode, tokens, cfg.min_balance, cfg.max_tokens)
             for t, f in zip(tokens, view.column(F_FORCED)):
@@ -207,6 +226,15 @@ def _decodes(view: StepView) -> int:
     if total is None:
         total = view.memo["decodes"] = sum(view.column(F_DECODE))
     return total
+
+
+def _holding(view: StepView, max_tokens: int) -> bool:
+    """Every rank with prefill pending holds it (idle hold: its must is 0), nobody decodes,
+    and some rank could still fill more of a full step (what the hold waits for)."""
+    q = view.column(F_QUEUED)
+    if not any(q) or all(x >= max_tokens for x in q) or _decodes(view):
+        return False
+    return not any(m for m, x in zip(view.column(F_MUST), q) if x) and not any(view.column(F_FORCED))
 
 
 def _fillable(view: StepView, max_tokens: int) -> int:

@@ -33,6 +33,10 @@ class BudgetConfig:
     # with min_balance: the longest a prefill waits in an idle group (no rank decodes, none
     # has other prefill pending); a lone step there delays nobody (inf: no such cap)
     idle_wait_ms: float = float("inf")
+    # with min_balance: while no rank decodes, a prefill that arrived less than this ago holds
+    # (no forward) until every rank has a full step of prefill, so that requests sent
+    # together land first and start in one step (0: no hold)
+    idle_hold_ms: float = 0.0
     # >0: the two waits above in full-step times (what a max_tokens step takes, measured:
     # step_clock.py); the ms values stand until the engine has measured one
     min_delay_steps: float = 0.0
@@ -52,8 +56,8 @@ class BudgetConfig:
         if not 0.0 <= self.spread < 1.0:
             raise ValueError("spread must be in [0, 1)")
         if (self.min_chunk < 0 or self.max_delay_ms < 0 or self.min_delay_steps < 0 or self.max_delay_steps < 0
-                or self.idle_wait_ms < 0):
-            raise ValueError("min_chunk, max_delay_ms, idle_wait_ms and the delays in steps must be >= 0")
+                or self.idle_wait_ms < 0 or self.idle_hold_ms < 0):
+            raise ValueError("min_chunk, max_delay_ms, idle_wait_ms, idle_hold_ms and the delays in steps must be >= 0")
         if not 0.0 <= self.min_balance < 1.0:
             raise ValueError("min_balance must be in [0, 1)")
         if self.busy_level < 0 or self.busy_tau_s <= 0 or self.busy_backlog_steps <= 0 or self.busy_capped_steps < 0:
@@ -69,6 +73,7 @@ def from_settings(settings: Any) -> BudgetConfig | None:
     k = settings.wait_scale   # the sim backend's slow motion stretches the waits too
     return BudgetConfig(max_tokens=settings.max_num_batched_tokens, max_delay_ms=settings.align_max_delay_ms * k,
                         min_delay_ms=settings.align_min_delay_ms * k, idle_wait_ms=settings.align_idle_wait_ms * k,
+                        idle_hold_ms=settings.align_idle_hold_ms * k,
                         min_delay_steps=settings.align_min_delay_steps, max_delay_steps=settings.align_max_delay_steps,
                         backlog_steps=settings.align_backlog_steps,
                         min_balance=settings.align_min_balance, max_capped_steps=settings.align_max_capped_steps,
