@@ -121,7 +121,7 @@ class RankStep:
         """No rank decoded in the last step and this rank's oldest pending prefill arrived
         less than ``idle_hold_ms`` ago: report no tokens needed, so that the group holds
         while requests sent together reach the other ranks (the budget ends the hold once
-        every rank has prefill, or any rank's hold is over)."""
+        every rank has a full step of prefill, or any rank's hold is over)."""
         hold = self.budget.idle_hold_ms
         if hold <= 0 or not self.group_quiet or plan.decode_tokens or not pending:
             return False
@@ -193,7 +193,7 @@ class RankStep:
         cfg = self.budget
         decode, tokens, must = view.column(F_DECODE), view.column(F_TOKENS), view.column(F_MUST)
         if cfg.min_balance > 0 and _holding(view, cfg.max_tokens):
-            T = 0   # an idle group whose prefills all just arrived, some rank still without: no forward
+            T = 0   # nobody decodes, every prefill just arrived, some rank short of a full step: no forward
         elif cfg.min_balance > 0:
             # the largest budget most ranks can fill; a rank capped max_capped_steps in a row runs
             T = balanced_budget(decode, tokens, cfg.min_balance, cfg.max_tokens)
