@@ -50,7 +50,7 @@ from shared.settings import EngineSettings
 # Values of the step row's F_STOP column.
 STOP_GROUP = 1     # this rank stops: the whole group stops together (SIGINT, `lockstep up` stopping)
 LEAVE = 2          # this rank leaves alone (SIGTERM): the others re-form without it
-HOLD_POLL_MS = 2   # while every rank only has gated prefills: meet again this often (bounded by the gate timeout)
+HOLD_POLL_MS = 2   # while the group holds (gated prefills, an idle group's hold): meet again this often
 
 
 class EngineWorker:
@@ -223,8 +223,9 @@ class EngineWorker:
                 self.group_stopped = True
                 return
             if action is Action.HOLD:
-                # Every rank's work is held by the batch gate: no forward (not even an idle
-                # one); look for the missing shares and meet again.
+                # Every rank's work is held (by the batch gate, or an idle group's hold for
+                # requests sent together): no forward, not even an idle one; look for the
+                # missing shares and meet again.
                 if not released:
                     await self._hold()
                 continue
