@@ -19,7 +19,10 @@ WORLD = 3
 STEPS = 5
 
 
-def _rank(rank: int, port: int, out: "mp.Queue") -> None:
+def _rank(rank: int, port: int, out: "mp.Queue", torch_before_2_13: bool = False) -> None:
+    if torch_before_2_13:   # the one-tensor all-gather has its older name only
+        import torch.distributed as dist
+        del dist.all_gather_single
     from services.engine_worker.lockstep import FIELDS, LockstepGroup
     group = LockstepGroup.init(rank, WORLD, "127.0.0.1", port, timeout_s=30)
     try:
@@ -32,12 +35,15 @@ def _rank(rank: int, port: int, out: "mp.Queue") -> None:
         group.close()
 
 
-def test_every_rank_sees_every_row_in_rank_order():
+@pytest.mark.parametrize("torch_before_2_13", [False, True], ids=["torch", "torch-before-2.13"])
+def test_every_rank_sees_every_row_in_rank_order(torch_before_2_13: bool):
+    """Also where torch predates ``all_gather_single`` (a GPU image's own torch, 2.11,
+    left the group failing to form forever: "no attribute 'all_gather_single'")."""
     from services.engine_worker.lockstep import FIELDS
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, port, out, torch_before_2_13)) for r in range(WORLD)]
     for p in procs:
         p.start()
     try:

@@ -22,6 +22,16 @@ from services.engine_worker.step_view import FIELDS, Action, StepView
 __all__ = ["FIELDS", "Action", "StepView", "GroupBroken", "collective", "LockstepGroup", "rank_device", "cuda_index"]
 
 
+def all_gather_fn(d: Any = dist) -> Callable[..., Any]:
+    """torch.distributed's one-tensor all-gather (output, input): ``all_gather_single`` from
+    torch 2.13, ``all_gather_into_tensor`` before it (the same call). The pin is 2.13, but a
+    machine's own torch (a GPU image's) is often older, and the group must still form there."""
+    return getattr(d, "all_gather_single", None) or d.all_gather_into_tensor
+
+
+_all_gather = all_gather_fn()
+
+
 class GroupBroken(RuntimeError):
     """A collective failed: a peer died, hung past the timeout, or left the group."""
 
@@ -126,7 +136,7 @@ class LockstepGroup:
         if self.world_size == 1:
             return StepView([[int(v) for v in row]])
         mine = torch.tensor(row, dtype=torch.int64, device=self._buf.device)
-        collective(dist.all_gather_single, self._buf.view(-1), mine)
+        collective(_all_gather, self._buf.view(-1), mine)
         return StepView(self._buf.tolist())
 
     def gather(self, values: list[int]) -> list[list[int]]:
@@ -136,7 +146,7 @@ class LockstepGroup:
             return [[int(v) for v in values]]
         buf = torch.zeros((self.world_size, len(values)), dtype=torch.int64, device=self._buf.device)
         mine = torch.tensor(values, dtype=torch.int64, device=self._buf.device)
-        collective(dist.all_gather_single, buf.view(-1), mine)
+        collective(_all_gather, buf.view(-1), mine)
         return buf.tolist()
 
     def close(self) -> None:
