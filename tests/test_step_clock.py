@@ -4,6 +4,8 @@ company on a fast engine and on a slow one."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.engine_worker.batch_gate import BatchGate
@@ -26,6 +28,7 @@ def test_a_line_through_steps_of_different_sizes_gives_the_full_steps_duration()
     slow = StepClock(max_tokens=4608)
     _steps(slow, 19.9, 0.1097, [30, 512, 4608, 900, 60, 2500] * 10)
     assert slow.full_step_ms == pytest.approx(19.9 + 0.1097 * 4608, rel=1e-6)   # ~525 ms
+    assert (c.token_ms, slow.token_ms) == (pytest.approx(0.06), pytest.approx(0.1097))
 
 
 def test_steps_of_one_size_give_no_estimate_and_keep_the_last_one():
@@ -95,3 +98,72 @@ def test_waits_set_in_milliseconds_only_stay_milliseconds():
 def test_the_delays_in_steps_must_not_be_negative():
     with pytest.raises(ValueError):
         BudgetConfig(min_delay_steps=-1.0)
+
+
+# --- the wait for company only where lone prefills would crowd the group (align_lone_share)
+
+LONE = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=32, max_delay_ms=3000.0,
+                    min_delay_ms=200.0, min_delay_steps=1.5, max_delay_steps=23.0, step_ms=0.0,
+                    lone_share=0.2, lone_share_full=0.3, lone_tau_s=10.0)
+
+
+def _group(cfg: BudgetConfig, traffic_tokens: int) -> list[RankStep]:
+    """4 ranks that measured 8 ms + 0.06 ms a token (a full step 131 ms); rank 1 decodes.
+    Each rank has seen ``traffic_tokens`` of prompts arrive just now (served since), and the
+    group has met once (so each rank counted every rank's arrivals)."""
+    from services.engine_worker.sequence import SamplingParams, Sequence
+    ranks = []
+    for r in range(4):
+        rs = RankStep(r, EngineScheduler(BlockManager(4096, 16), 2048, 128, 8192), BatchGate(rank=r), cfg)
+        _steps(rs.clock, 8.0, 0.06, [20, 2048] * 10)
+        rs.note_step(10.0)   # the last step's duration, which deadlines pace with
+        for k in range(traffic_tokens // 2000):
+            past = Sequence(f"{r}-past{k}", list(range(2000)), SamplingParams(max_tokens=4))
+            rs.arrived(past, 0.0)
+            rs.forget(past.id)
+        ranks.append(rs)
+    dec = Sequence("1-dec", list(range(8)), SamplingParams(max_tokens=64))
+    ranks[1].core.add(dec)
+    ranks[1].core.postprocess(ranks[1].core.schedule(), {"1-dec": 5}, 0.0)
+    _meet(ranks, 0.0)   # one step: every rank counts the group's arrivals
+    new = Sequence("0-new", list(range(500)), SamplingParams(max_tokens=16))
+    ranks[0].core.add(new)
+    ranks[0].arrived(new, 0.0)
+    return ranks
+
+
+def _meet(ranks: list[RankStep], now: float) -> list[int]:
+    from services.engine_worker.rank_step import group_view
+    plans, rows = zip(*(rs.plan(now) for rs in ranks))
+    view = group_view(list(rows))
+    for rs, p in zip(ranks, plans):
+        rs.decide(p, view, now)
+    return [p.num_tokens for p in plans]
+
+
+def _first_step(ranks: list[RankStep]) -> list[int]:
+    return _meet(ranks, 0.001)
+
+
+def test_a_prefill_in_a_group_with_few_prompts_arriving_starts_at_once():
+    """Live on 4 torch ranks (poisson, ~5 requests/s) the default held every first token
+    ~1.5 full steps for company that never came (TTFT p50 246 against least_score's 26
+    ms, throughput no higher): prompts reached the group at a rate whose lone prefill steps
+    would take ~1/3 of its time. Below align_lone_share a prefill starts at once."""
+    ranks = _group(LONE, traffic_tokens=0)
+    assert ranks[0].lone_share(0.001) < LONE.lone_share
+    assert _first_step(ranks) == [500, 1, 0, 0]
+    # the same group with the rule off waits for company: a paced part of the prompt
+    off = _group(replace(LONE, lone_share=0.0, lone_share_full=0.0), traffic_tokens=0)
+    assert 0 < _first_step(off)[0] < 500
+
+
+def test_a_prefill_in_a_group_crowded_with_prompts_waits_for_company():
+    # 6,000 prompt tokens on each of 4 ranks at once, on an engine that just started. Read
+    # over the time it had (1 s at least), ~25,000 tokens/s x 0.06 ms: prefilled alone they
+    # would take 1.5x the group's time, and the wait for company stands. Averaged as if
+    # spread over the whole 10 s window they read 2,400 tokens/s (0.14: calm) and ran alone.
+    ranks = _group(LONE, traffic_tokens=6_000)
+    assert ranks[0].lone_share(0.001) > LONE.lone_share_full
+    got = _first_step(ranks)
+    assert 0 < got[0] < 500 and got[1] == 1

@@ -46,7 +46,7 @@ class Outputs:
             extra={"gate_full": st.gate.released_full, "gate_timeout": st.gate.released_timeout,
                    "preemptions": st.core.num_preemptions, "reforms": self.member.reforms, "gen": self.member.gen,
                    "round_trips": st.round_trips, "exchange_s": round(st.exchange_s, 6),
-                   "comm_s": round(getattr(st.backend, "comm_seconds", 0.0), 6)},
+                   "comm_s": round(getattr(st.backend, "comm_seconds", 0.0), 6), **_budget_state(st.rs)},
             prefill_pending=pending)
         if st.metrics is not None:
             st.metrics.on_step(stats)
@@ -126,3 +126,12 @@ class Outputs:
         if acks:
             pipe.xack(self.keys.inbox(st.rank), K.ENGINE_GROUP, *acks)
         return finished
+
+
+def _budget_state(rs: Any) -> dict[str, float]:
+    """What coordinated prefill judges by (lockstep steps --json, the stats stream): the
+    measured full step, and the share of the group's time its prefill would take alone."""
+    if rs is None or rs.clock is None:
+        return {}
+    return {"full_step_ms": round(rs.clock.full_step_ms, 2), "token_ms": round(rs.clock.token_ms, 4),
+            "lone_share": round(rs.lone_share(time.monotonic()), 3)}

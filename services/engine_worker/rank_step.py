@@ -14,12 +14,13 @@ simulator's virtual clock); deadlines of token alignment are judged on it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from services.engine_worker.batch_gate import BatchGate, batch_number
 from services.engine_worker.busy_meter import BusyMeter
 from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
-from services.engine_worker.step_view import (F_ALIGN, F_BUSY, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST,
+from services.engine_worker.step_view import (F_ALIGN, F_ARRIVED, F_BUSY, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST,
                                              F_QUEUED, F_RELEASE, F_TOKENS, Action, StepView)
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_clock import StepClock
@@ -46,6 +47,11 @@ class RankStep:
         self.meter = BusyMeter(budget.busy_level, budget.busy_tau_s) if budget is not None else None
         self.clock = StepClock(budget.max_tokens) if budget is not None else None
         self.step_tokens = 0                      # the busiest rank's tokens in the step last decided
+        self.calm = False                         # this plan: prefill pending that need not wait (lone share low)
+        self.arrived_tokens = 0                   # prompt tokens arrived here, not yet in a row the group saw
+        self.prompt_rate = 0.0                    # prompt tokens/s reaching the group (decaying average)
+        self._rate_t: float | None = None
+        self._rate_t0 = 0.0                       # when the average began
 
     def note_step(self, dur_ms: float) -> None:
         """The step that just ran took ``dur_ms`` (deadlines plan with it, and the waits
@@ -58,6 +64,47 @@ class RankStep:
         """``seq`` was queued on this rank (after ``core.add`` accepted it)."""
         self.since_s[seq.id] = now_s
         self.gate.on_arrival(seq)
+        if self.budget is not None:
+            self.arrived_tokens += seq.num_prompt_tokens
+
+    def _rate_at(self, now_s: float) -> float:
+        """The average decayed to ``now_s``, over the time it has had (a new engine's first
+        seconds are not a quiet group's: the first burst reads as the rate it is)."""
+        if self._rate_t is None:
+            return 0.0
+        tau = self.budget.lone_tau_s
+        seen = max(now_s - self._rate_t0, 0.1 * tau)
+        return self.prompt_rate * math.exp(-max(0.0, now_s - self._rate_t) / tau) / -math.expm1(-seen / tau)
+
+    def _count_arrivals(self, view: StepView, now_s: float) -> None:
+        """The prompt tokens every rank reported arriving: the group's prompt rate, the same
+        sum on every rank (one rank's own arrivals, times the ranks, was too noisy to judge by)."""
+        mine = view.rows[self.rank][F_ARRIVED]
+        self.arrived_tokens -= mine
+        total = view.memo.get("arrived")
+        if total is None:
+            total = view.memo["arrived"] = sum(view.column(F_ARRIVED))
+        if self._rate_t is None:
+            self._rate_t = self._rate_t0 = now_s
+        self.prompt_rate = self.prompt_rate * math.exp(-max(0.0, now_s - self._rate_t) / self.budget.lone_tau_s) \
+            + total / self.budget.lone_tau_s
+        self._rate_t = now_s
+
+    def _company_worth(self, now_s: float) -> float:
+        """How much of the wait for company is in force: none while prefilling every prompt
+        alone would take under ``lone_share`` of the group's time (a lone prefill then
+        delays the decodes little, and waiting only delays its first token), all of it from
+        ``lone_share_full``, in proportion between; all of it until a step is measured."""
+        cfg = self.budget
+        if self.clock.token_ms <= 0:
+            return 1.0
+        span = max(1e-9, cfg.lone_share_full - cfg.lone_share)
+        return min(1.0, max(0.0, (self.lone_share(now_s) - cfg.lone_share) / span))
+
+    def lone_share(self, now_s: float) -> float:
+        """The share of the group's time its prefill would take if every prompt prefilled
+        alone: the group's prompt tokens/s x the measured ms per token."""
+        return self._rate_at(now_s) * self.clock.token_ms / 1000.0
 
     def forget(self, seq_id: str) -> None:
         self.since_s.pop(seq_id, None)
@@ -76,13 +123,14 @@ class RankStep:
                              not core.bm.can_allocate(core.waiting[0], core.waiting[0].num_tokens)):
             self.blocked_s = now_s   # a full rank: its queue's prefill deadlines start when room appears
         must = queued = 0
+        self.calm = False
         if self.budget is not None:
             must, queued = self.prefill_need(plan, now_s)
-        forced = int(self.budget is not None and 0 < self._capped_limit() <= self.capped_steps)
+        forced = int(self.budget is not None and (self.calm or 0 < self._capped_limit() <= self.capped_steps))
         busy = int(self.meter is not None and self.meter.busy)
         row = [int(core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
                release, int(stopping), plan.decode_tokens, must, int(self.budget is not None), queued, forced,
-               busy]
+               busy, self.arrived_tokens]
         return plan, row
 
     def prefill_need(self, plan: StepPlan, now_s: float) -> tuple[int, int]:
@@ -111,6 +159,10 @@ class RankStep:
         if cfg.min_balance > 0:
             lo, hi = self.delays_ms()
             delay = max(lo, hi * min(1.0, self.backlog / self._backlog_steps()))
+            if cfg.lone_share > 0:
+                delay *= self._company_worth(now_s)
+                # nothing to wait for beside decodes: it runs now, backlog or not (forced)
+                self.calm = delay == 0 and not self.group_quiet
             if self.group_idle:   # nobody decodes, nobody else prefills: a lone step delays no one
                 delay = min(delay, cfg.idle_wait_ms)
             if cfg.step_ms <= 0 and self.last_step_ms <= 0:   # no step measured yet: crumbs
@@ -152,6 +204,8 @@ class RankStep:
             if plan.dropped and plan.admitted:   # capped to nothing: release their KV too
                 gone = set(plan.dropped)
                 self.core.unadmit([q for q in plan.admitted if q.id in gone])
+        if self.budget is not None:
+            self._count_arrivals(view, now_s)
         if self.clock is not None:   # the busiest rank's tokens: what the step's duration is measured against
             mx = view.memo.get("max_tokens")
             if mx is None:

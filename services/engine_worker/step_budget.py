@@ -47,6 +47,12 @@ class BudgetConfig:
     busy_tau_s: float = 2.0
     busy_backlog_steps: float = 0.25
     busy_capped_steps: int = 64
+    # >0: the wait for company without a backlog (min_delay) is in force only while prefill
+    # would take at least this share of the group's time if every prompt prefilled alone
+    # (the group's prompt tokens/s x the measured ms per token), in full from lone_share_full
+    lone_share: float = 0.0
+    lone_share_full: float = 0.0
+    lone_tau_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -60,6 +66,8 @@ class BudgetConfig:
             raise ValueError("min_chunk, max_delay_ms, idle_wait_ms, idle_hold_ms and the delays in steps must be >= 0")
         if not 0.0 <= self.min_balance < 1.0:
             raise ValueError("min_balance must be in [0, 1)")
+        if self.lone_share < 0 or self.lone_share_full < self.lone_share or self.lone_tau_s <= 0:
+            raise ValueError("lone_share must be >= 0, lone_share_full >= lone_share and lone_tau_s > 0")
         if self.busy_level < 0 or self.busy_tau_s <= 0 or self.busy_backlog_steps <= 0 or self.busy_capped_steps < 0:
             raise ValueError("busy_level and busy_capped_steps must be >= 0, busy_tau_s and busy_backlog_steps > 0")
 
@@ -80,6 +88,8 @@ def from_settings(settings: Any) -> BudgetConfig | None:
                         busy_level=settings.align_busy_level, busy_tau_s=settings.align_busy_window_s * k,
                         busy_backlog_steps=settings.align_busy_backlog_steps,
                         busy_capped_steps=settings.align_busy_capped_steps,
+                        lone_share=settings.align_lone_share, lone_share_full=settings.align_lone_share_full,
+                        lone_tau_s=settings.align_lone_window_s * k,
                         step_ms=0.0)
 
 

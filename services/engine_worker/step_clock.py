@@ -21,7 +21,7 @@ MIN_SPREAD = 0.05   # the fit needs step sizes whose spread is at least this sha
 
 
 class StepClock:
-    __slots__ = ("max_tokens", "_decay", "_s0", "_sx", "_sy", "_sxx", "_sxy", "_fit")
+    __slots__ = ("max_tokens", "_decay", "_s0", "_sx", "_sy", "_sxx", "_sxy", "_fit", "_slope")
 
     def __init__(self, max_tokens: int, halflife_steps: float = 2000.0) -> None:
         if max_tokens < 1 or halflife_steps <= 0:
@@ -30,6 +30,7 @@ class StepClock:
         self._decay = 0.5 ** (1.0 / halflife_steps)
         self._s0 = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._fit = 0.0     # the last well-conditioned estimate (0.0: none yet)
+        self._slope = 0.0   # its ms per token
 
     def observe(self, tokens: int, dur_ms: float) -> None:
         """A step whose busiest rank computed ``tokens`` took ``dur_ms``."""
@@ -48,6 +49,13 @@ class StepClock:
         slope = max(0.0, (self._sxy / self._s0 - mx * self._sy / self._s0) / var)
         fixed = max(0.0, self._sy / self._s0 - slope * mx)
         self._fit = fixed + slope * self.max_tokens
+        self._slope = slope
+
+    @property
+    def token_ms(self) -> float:
+        """What one more token in the busiest rank adds to a step, in ms (0.0 until the steps
+        allow a fit)."""
+        return self._slope
 
     @property
     def full_step_ms(self) -> float:

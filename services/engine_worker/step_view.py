@@ -24,7 +24,8 @@ F_ALIGN = 9          # token alignment enabled here (applied only when every ran
 F_QUEUED = 10        # token alignment: prefill tokens pending on this rank (the group's backlog)
 F_FORCED = 11        # token alignment: this rank's prefill was capped max_capped_steps in a row: it runs
 F_BUSY = 12          # token alignment: the group looks busy to this rank (rank 0's verdict is applied)
-FIELDS = 13
+F_ARRIVED = 13       # token alignment: prompt tokens that reached this rank since its last row
+FIELDS = 14
 
 
 class Action(Enum):
