@@ -47,9 +47,10 @@ class BudgetConfig:
     busy_tau_s: float = 2.0
     busy_backlog_steps: float = 0.25
     busy_capped_steps: int = 64
-    # >0: the wait for company without a backlog (min_delay) is in force only while prefill
-    # would take at least this share of the group's time if every prompt prefilled alone
-    # (the group's prompt tokens/s x the measured ms per token), in full from lone_share_full
+    # >0: the waits for company are in force only while prefill would take at least this
+    # share of the group's time if every prompt prefilled alone (the group's prompt tokens/s
+    # x the measured ms per token), in full from lone_share_full; below, a prefill beside
+    # decodes runs at once. lone_tau_s: the averaging time of that rate
     lone_share: float = 0.0
     lone_share_full: float = 0.0
     lone_tau_s: float = 10.0
