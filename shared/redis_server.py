@@ -46,6 +46,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports, all held while they are chosen: ``free_port()`` twice in a
+    row can return the same port (the first is released before the second is picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 @dataclass
 class EmbeddedRedis:
     """Start with ``start()``, stop with ``stop()`` (or use as a context manager)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import redis
 
-from shared.redis_server import EmbeddedRedis, free_port
+from shared.redis_server import EmbeddedRedis, free_ports
 from shared.tokenizer import encode
 from tests.helpers import sim_expected_text
 
@@ -54,8 +54,11 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         try:
             for _ in range(self.primaries * (1 + self.replicas)):
-                self.bus_ports.append(free_port())
-                self.servers.append(EmbeddedRedis(extra_args=(
+                # chosen together: picked one after the other, the server's port could be the
+                # bus port just released (seen in CI: "valkey-server exited at start")
+                port, bus = free_ports(2)
+                self.bus_ports.append(bus)
+                self.servers.append(EmbeddedRedis(port=port, extra_args=(
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                     "--cluster-port", str(self.bus_ports[-1]), "--cluster-node-timeout", str(self.node_timeout_ms),
                     "--cluster-replica-validity-factor", "0")).start())
