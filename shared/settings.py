@@ -231,6 +231,8 @@ class EngineSettings(Settings):
     align_lone_share: float = Field(0.2, ge=0, description="Coordinated prefill: a prefill waits for company only while the group's prefill would take at least this share of its time if every prompt prefilled alone (the prompt tokens/s reaching the group x the measured ms per token), the whole wait from align_lone_share_full; below, a lone prefill costs the decodes little and it starts at once, TTFT first (0 = always wait; docs/benchmarks.md).")
     align_lone_share_full: float = Field(0.3, ge=0, description="Coordinated prefill: the lone-prefill share (align_lone_share) from which the whole wait for company is in force; between the two it grows in proportion.")
     align_lone_window_s: float = Field(10.0, gt=0, description="Coordinated prefill: the averaging time of the prompt tokens/s behind align_lone_share.")
+    gate_timeout_ms: float = Field(100.0, description="Staggered batches: rank 0 releases a batch whose shares did not all arrive within this.")
+    metrics_port: int = Field(0, description="Serve Prometheus metrics (lockstep_engine_*) on this port (a spare: this port + the rank it takes); 0 = off.")
 
     @model_validator(mode="after")
     def _lone_share_span(self) -> "EngineSettings":
@@ -238,8 +240,6 @@ class EngineSettings(Settings):
             raise ValueError(f"align_lone_share_full ({self.align_lone_share_full}) must be at least "
                              f"align_lone_share ({self.align_lone_share}): the whole wait starts there")
         return self
-    gate_timeout_ms: float = Field(100.0, description="Staggered batches: rank 0 releases a batch whose shares did not all arrive within this.")
-    metrics_port: int = Field(0, description="Serve Prometheus metrics (lockstep_engine_*) on this port (a spare: this port + the rank it takes); 0 = off.")
 
     @property
     def wait_scale(self) -> float:

@@ -4,6 +4,7 @@ company on a fast engine and on a slow one."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -167,3 +168,15 @@ def test_a_prefill_in_a_group_crowded_with_prompts_waits_for_company():
     assert ranks[0].lone_share(0.001) > LONE.lone_share_full
     got = _first_step(ranks)
     assert 0 < got[0] < 500 and got[1] == 1
+
+
+def test_each_ranks_arrivals_are_counted_once():
+    # a rank's row carries what arrived since its last row the group saw: meeting again with
+    # nothing new adds nothing (counted at every meeting, the rate would climb each step)
+    ranks = _group(LONE, traffic_tokens=2_000)
+    assert all(rs.arrived_tokens == (500 if rs.rank == 0 else 0) for rs in ranks)
+    before = ranks[1].prompt_rate.rate(0.0)
+    _meet(ranks, 0.0)
+    assert ranks[1].prompt_rate.rate(0.0) == pytest.approx(before + 500 / LONE.lone_tau_s / -math.expm1(-0.1))
+    _meet(ranks, 0.0)
+    assert ranks[1].prompt_rate.rate(0.0) == pytest.approx(before + 500 / LONE.lone_tau_s / -math.expm1(-0.1))

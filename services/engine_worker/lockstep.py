@@ -22,14 +22,10 @@ from services.engine_worker.step_view import FIELDS, Action, StepView
 __all__ = ["FIELDS", "Action", "StepView", "GroupBroken", "collective", "LockstepGroup", "rank_device", "cuda_index"]
 
 
-def all_gather_fn(d: Any = dist) -> Callable[..., Any]:
-    """torch.distributed's one-tensor all-gather (output, input): ``all_gather_single`` from
-    torch 2.13, ``all_gather_into_tensor`` before it (the same call). The pin is 2.13, but a
-    machine's own torch (a GPU image's) is often older, and the group must still form there."""
-    return getattr(d, "all_gather_single", None) or d.all_gather_into_tensor
-
-
-_all_gather = all_gather_fn()
+# torch.distributed's one-tensor all-gather (output, input): all_gather_single from torch
+# 2.13, all_gather_into_tensor before it (the same call). The pin is 2.13, but a machine's
+# own torch (a GPU image's) is often older, and the group must still form there.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class GroupBroken(RuntimeError):

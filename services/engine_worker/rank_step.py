@@ -14,12 +14,12 @@ simulator's virtual clock); deadlines of token alignment are judged on it.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from services.engine_worker.batch_gate import BatchGate, batch_number
 from services.engine_worker.busy_meter import BusyMeter
 from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
+from services.engine_worker.rate_meter import RateMeter
 from services.engine_worker.step_view import (F_ALIGN, F_ARRIVED, F_BUSY, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST,
                                              F_QUEUED, F_RELEASE, F_TOKENS, Action, StepView)
 from services.engine_worker.sequence import Sequence
@@ -49,9 +49,8 @@ class RankStep:
         self.step_tokens = 0                      # the busiest rank's tokens in the step last decided
         self.calm = False                         # this plan: prefill pending that need not wait (lone share low)
         self.arrived_tokens = 0                   # prompt tokens arrived here, not yet in a row the group saw
-        self.prompt_rate = 0.0                    # prompt tokens/s reaching the group (decaying average)
-        self._rate_t: float | None = None
-        self._rate_t0 = 0.0                       # when the average began
+        # prompt tokens/s reaching the group (every rank's F_ARRIVED, summed)
+        self.prompt_rate = RateMeter(budget.lone_tau_s) if budget is not None else None
 
     def note_step(self, dur_ms: float) -> None:
         """The step that just ran took ``dur_ms`` (deadlines plan with it, and the waits
@@ -67,28 +66,14 @@ class RankStep:
         if self.budget is not None:
             self.arrived_tokens += seq.num_prompt_tokens
 
-    def _rate_at(self, now_s: float) -> float:
-        """The average decayed to ``now_s``, over the time it has had (a new engine's first
-        seconds are not a quiet group's: the first burst reads as the rate it is)."""
-        if self._rate_t is None:
-            return 0.0
-        tau = self.budget.lone_tau_s
-        seen = max(now_s - self._rate_t0, 0.1 * tau)
-        return self.prompt_rate * math.exp(-max(0.0, now_s - self._rate_t) / tau) / -math.expm1(-seen / tau)
-
     def _count_arrivals(self, view: StepView, now_s: float) -> None:
         """The prompt tokens every rank reported arriving: the group's prompt rate, the same
         sum on every rank (one rank's own arrivals, times the ranks, was too noisy to judge by)."""
-        mine = view.rows[self.rank][F_ARRIVED]
-        self.arrived_tokens -= mine
+        self.arrived_tokens -= view.rows[self.rank][F_ARRIVED]   # reported: counted once
         total = view.memo.get("arrived")
         if total is None:
             total = view.memo["arrived"] = sum(view.column(F_ARRIVED))
-        if self._rate_t is None:
-            self._rate_t = self._rate_t0 = now_s
-        self.prompt_rate = self.prompt_rate * math.exp(-max(0.0, now_s - self._rate_t) / self.budget.lone_tau_s) \
-            + total / self.budget.lone_tau_s
-        self._rate_t = now_s
+        self.prompt_rate.add(total, now_s)
 
     def _company_worth(self, now_s: float) -> float:
         """How much of the wait for company is in force: none while prefilling every prompt
@@ -104,7 +89,7 @@ class RankStep:
     def lone_share(self, now_s: float) -> float:
         """The share of the group's time its prefill would take if every prompt prefilled
         alone: the group's prompt tokens/s x the measured ms per token."""
-        return self._rate_at(now_s) * self.clock.token_ms / 1000.0
+        return self.prompt_rate.rate(now_s) * self.clock.token_ms / 1000.0
 
     def forget(self, seq_id: str) -> None:
         self.since_s.pop(seq_id, None)
