@@ -57,6 +57,67 @@ def test_a_newer_engine_speed_replaces_the_old_one():
     assert c.full_step_ms == pytest.approx(16.0 + 0.12 * 2048, rel=0.02)
 
 
+# --- a step that is partly the group's: ranks that share a device, experts that see every token
+
+def _shared_device_steps(clock: StepClock, reps: int = 10) -> None:
+    """4 torch ranks on 2 CPU cores, as measured live: 20 ms + 0.02 ms per token of the
+    busiest rank + 0.275 ms per token of the ranks' mean. A 2,048-token prefill alone takes
+    ~200 ms, on every rank at once ~620 ms (the capacity probe), a small decode ~25 ms."""
+    for _ in range(reps):
+        for x, m in SHARED_STEPS:
+            clock.observe(x, _shared_cost(x, m), m)
+
+
+SHARED_STEPS = ((20, 10.0), (2048, 512.0), (2048, 2048.0), (600, 150.0))   # (busiest, mean tokens)
+
+
+def _shared_cost(x: int, m: float) -> float:
+    return 20.0 + 0.02 * x + 0.275 * m
+
+
+def test_the_part_of_a_step_that_follows_the_groups_total_is_told_apart():
+    c = StepClock(max_tokens=2048)
+    _shared_device_steps(c)
+    assert c.token_ms == pytest.approx(0.02, rel=1e-6)
+    assert c.shared_ms == pytest.approx(0.275, rel=1e-6)
+    assert c.full_step_ms == pytest.approx(20.0 + 0.295 * 2048, rel=1e-6)   # every rank full: ~624 ms
+    # the same durations read against the busiest rank alone: a token looks 6x as dear
+    line = StepClock(max_tokens=2048)
+    for _ in range(10):
+        for x, m in SHARED_STEPS:
+            line.observe(x, _shared_cost(x, m))
+    assert line.shared_ms == 0.0 and line.token_ms > 0.1
+
+
+def test_no_shared_part_where_the_busiest_rank_alone_sets_the_step():
+    # the mean varies apart from the busiest (lone and joint prefills), the duration does not
+    c = StepClock(max_tokens=2048)
+    for k in range(200):
+        for x, m in SHARED_STEPS:
+            c.observe(x, 8.0 + 0.06 * x + (1.5 if k % 2 else -1.5), m)   # +-1.5 ms of jitter
+    assert c.shared_ms == 0.0 and c.token_ms == pytest.approx(0.06, rel=0.01)
+    # one rank prefilling at a time: its tokens and the mean move together, nothing to tell apart
+    together = StepClock(max_tokens=2048)
+    for x in [20, 2048, 600, 1200] * 20:
+        together.observe(x, 20.0 + 0.02 * x + 0.275 * x / 4, x / 4)
+    assert together.shared_ms == 0.0 and together.token_ms == pytest.approx(0.02 + 0.275 / 4, rel=1e-6)
+
+
+def test_a_small_or_uncertain_shared_part_is_not_counted():
+    # 3 % of a token's cost shared, in +-5 ms of jitter: too small to act on, the line stands
+    c = StepClock(max_tokens=2048)
+    for k in range(400):
+        for x, m in SHARED_STEPS:
+            c.observe(x, 8.0 + 0.058 * x + 0.002 * m + (5.0 if (k + x) % 2 else -5.0), m)
+    assert c.shared_ms == 0.0
+    # a third of it shared, but 10 rounds of steps in +-40 ms of jitter: not yet told apart
+    c = StepClock(max_tokens=2048)
+    for k in range(10):
+        for x, m in SHARED_STEPS:
+            c.observe(x, 8.0 + 0.04 * x + 0.02 * m + (40.0 if (k + x // 10) % 2 else -40.0), m)
+    assert c.shared_ms == 0.0
+
+
 def _rank_step(max_tokens: int) -> RankStep:
     core = EngineScheduler(BlockManager(64, 16), max_num_batched_tokens=max_tokens, max_num_seqs=8,
                            max_model_len=4096)
@@ -108,15 +169,19 @@ LONE = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=32, max_d
                     lone_share=0.2, lone_share_full=0.3, lone_tau_s=10.0)
 
 
-def _group(cfg: BudgetConfig, traffic_tokens: int) -> list[RankStep]:
-    """4 ranks that measured 8 ms + 0.06 ms a token (a full step 131 ms); rank 1 decodes.
+def _group(cfg: BudgetConfig, traffic_tokens: int, steps=None) -> list[RankStep]:
+    """4 ranks that measured 8 ms + 0.06 ms a token (a full step 131 ms; ``steps`` feeds
+    another device's steps to each rank's clock); rank 1 decodes.
     Each rank has seen ``traffic_tokens`` of prompts arrive just now (served since), and the
     group has met once (so each rank counted every rank's arrivals)."""
     from services.engine_worker.sequence import SamplingParams, Sequence
     ranks = []
     for r in range(4):
         rs = RankStep(r, EngineScheduler(BlockManager(4096, 16), 2048, 128, 8192), BatchGate(rank=r), cfg)
-        _steps(rs.clock, 8.0, 0.06, [20, 2048] * 10)
+        if steps is None:
+            _steps(rs.clock, 8.0, 0.06, [20, 2048] * 10)
+        else:
+            steps(rs.clock)
         rs.note_step(10.0)   # the last step's duration, which deadlines pace with
         for k in range(traffic_tokens // 2000):
             past = Sequence(f"{r}-past{k}", list(range(2000)), SamplingParams(max_tokens=4))
@@ -168,6 +233,33 @@ def test_a_prefill_in_a_group_crowded_with_prompts_waits_for_company():
     assert ranks[0].lone_share(0.001) > LONE.lone_share_full
     got = _first_step(ranks)
     assert 0 < got[0] < 500 and got[1] == 1
+
+
+def test_on_a_shared_device_a_prefill_starts_at_once_where_waiting_saves_nothing():
+    """Live on 4 torch ranks sharing 2 cores, the capacity probe's steps (every rank's full
+    prefill at once, ~620 ms) taught a line through the busiest rank's tokens that a token
+    costs ~0.3 ms, the lone share read 0.45 and every first token waited 1.5 such steps
+    (TTFT p99 1.85 s against least_score's 0.36 s, throughput level). What waiting for
+    company saves is only the busiest rank's part, 0.02 ms a token there."""
+    ranks = _group(LONE, traffic_tokens=2_000, steps=_shared_device_steps)
+    assert ranks[0].clock.shared_ms == pytest.approx(0.275, rel=1e-3)
+    assert ranks[0].lone_share(0.001) < LONE.lone_share
+    assert _first_step(ranks) == [500, 1, 0, 0]
+    # the same arrivals judged by the busiest-rank line alone would have waited
+    rate = ranks[0].prompt_rate.rate(0.001)
+    assert rate * (0.02 + 0.275) / 1000.0 > LONE.lone_share_full
+
+
+def test_each_step_teaches_the_clock_its_busiest_and_mean_tokens():
+    class Recorder:
+        def observe(self, *args):
+            seen.append(args)
+
+    ranks, seen = _group(LONE, traffic_tokens=0), []
+    _first_step(ranks)               # rank 0 prefills 500, rank 1 decodes 1
+    ranks[2].clock = Recorder()
+    ranks[2].note_step(60.0)
+    assert seen == [(500, 60.0, pytest.approx(501 / 4))]
 
 
 def test_each_ranks_arrivals_are_counted_once():

@@ -47,6 +47,7 @@ class RankStep:
         self.meter = BusyMeter(budget.busy_level, budget.busy_tau_s) if budget is not None else None
         self.clock = StepClock(budget.max_tokens) if budget is not None else None
         self.step_tokens = 0                      # the busiest rank's tokens in the step last decided
+        self.step_mean_tokens = 0.0               # and the ranks' mean tokens in it
         self.calm = False                         # this plan: prefill pending that need not wait (lone share low)
         self.arrived_tokens = 0                   # prompt tokens arrived here, not yet in a row the group saw
         # prompt tokens/s reaching the group (every rank's F_ARRIVED, summed)
@@ -57,7 +58,7 @@ class RankStep:
         follow what a full step costs)."""
         self.last_step_ms = dur_ms
         if self.clock is not None:
-            self.clock.observe(self.step_tokens, dur_ms)
+            self.clock.observe(self.step_tokens, dur_ms, self.step_mean_tokens)
 
     def arrived(self, seq: Sequence, now_s: float) -> None:
         """``seq`` was queued on this rank (after ``core.add`` accepted it)."""
@@ -81,14 +82,16 @@ class RankStep:
         delays the decodes little, and waiting only delays its first token), all of it from
         ``lone_share_full``, in proportion between; all of it until a step is measured."""
         cfg = self.budget
-        if self.clock.token_ms <= 0:
+        if self.clock.full_step_ms <= 0:
             return 1.0
         span = max(1e-9, cfg.lone_share_full - cfg.lone_share)
         return min(1.0, max(0.0, (self.lone_share(now_s) - cfg.lone_share) / span))
 
     def lone_share(self, now_s: float) -> float:
         """The share of the group's time its prefill would take if every prompt prefilled
-        alone: the group's prompt tokens/s x the measured ms per token."""
+        alone, in the part the other ranks idle through: the group's prompt tokens/s x the
+        measured busiest-rank ms per token (what follows the group's total, a shared device,
+        is spent whether prefills run together or not)."""
         return self.prompt_rate.rate(now_s) * self.clock.token_ms / 1000.0
 
     def forget(self, seq_id: str) -> None:
@@ -191,11 +194,12 @@ class RankStep:
                 self.core.unadmit([q for q in plan.admitted if q.id in gone])
         if self.budget is not None:
             self._count_arrivals(view, now_s)
-        if self.clock is not None:   # the busiest rank's tokens: what the step's duration is measured against
-            mx = view.memo.get("max_tokens")
-            if mx is None:
-                mx = view.memo["max_tokens"] = max(view.column(F_TOKENS), default=0)
-            self.step_tokens = mx
+        if self.clock is not None:   # the busiest rank's and the mean tokens: what the step's duration is measured against
+            load = view.memo.get("token_load")
+            if load is None:
+                tokens = view.column(F_TOKENS)
+                load = view.memo["token_load"] = (max(tokens, default=0), sum(tokens) / max(1, len(tokens)))
+            self.step_tokens, self.step_mean_tokens = load
         released = 0
         gate = self.gate
         held = view.memo.get("held")
