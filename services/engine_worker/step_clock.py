@@ -21,10 +21,9 @@ that share one device or CPU (4 torch ranks on 2 cores: a 2,048-token prefill al
 ~200 ms there, on every rank at once ~620 ms, so waiting for company saved nothing). Only
 steps whose busiest and mean tokens vary apart tell the two parts apart (with one rank
 prefilling at a time they move together), and a shared part counts only where it stands
-well clear of the durations' noise (four standard errors) and is a quarter of a token's cost
-or more; until then the fit is a line
-through the busiest rank's tokens alone (``shared_ms`` 0), as on a device where each rank
-is its own.
+well clear of the durations' noise (four standard errors) and is a quarter of a token's
+cost or more; until then the fit is a line through the busiest rank's tokens alone
+(``shared_ms`` 0), as on a device where each rank is its own.
 
 Recent: the sums decay with a half-life of ``halflife_steps``. A fit needs steps of
 different sizes; while the recent steps are all about the same size (a long run of decode
@@ -92,7 +91,7 @@ class StepClock:
             det = vx * vm - cxm * cxm
             a, b = (cxy * vm - cmy * cxm) / det, (cmy * vx - cxy * cxm) / det
             noise = max(0.0, self._yy / n - my * my - a * cxy - b * cmy)   # the plane's residual variance
-            if (b > MIN_SHARED * (a + b) and b > 0
+            if (b > 0 and b > MIN_SHARED * (a + b)
                     and b * b * apart * (n * n / self._w2) >= MIN_T * MIN_T * noise):
                 slope, shared = a, b
                 if a < 0:   # all of it shared
