@@ -272,3 +272,15 @@ def test_each_ranks_arrivals_are_counted_once():
     assert ranks[1].prompt_rate.rate(0.0) == pytest.approx(before + 500 / LONE.lone_tau_s / -math.expm1(-0.1))
     _meet(ranks, 0.0)
     assert ranks[1].prompt_rate.rate(0.0) == pytest.approx(before + 500 / LONE.lone_tau_s / -math.expm1(-0.1))
+
+
+def test_a_views_mean_tokens_follow_a_trimmed_column():
+    # the step's mean is read after the budget trims the tokens column (what ran, not what was planned)
+    from services.engine_worker.step_view import FIELDS, F_TOKENS, StepView
+    rows = [[0] * FIELDS for _ in range(4)]
+    for row, t in zip(rows, (2048, 0, 0, 0)):
+        row[F_TOKENS] = t
+    view = StepView(rows)
+    assert (view.max_tokens, view.mean_tokens) == (2048, 512.0)
+    view.set_column(F_TOKENS, [1024, 1024, 1024, 1024])
+    assert (view.max_tokens, view.mean_tokens) == (1024, 1024.0)

@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 from services.engine_worker.lockstep import Action, StepView
-from services.engine_worker.step_view import F_TOKENS
 from services.engine_worker.rank_state import RankState
 from shared.cost_model import CostModel
 from shared.settings import EngineSettings
@@ -40,10 +39,7 @@ class Forward:
                 st.lp.add(*st.backend.logprobs(plan.chunks, sampled, st.prompts, want))
             # Lockstep: the step lasts as long as the busiest rank's modeled forward (plus
             # the cost model's shared term, which follows the ranks' mean).
-            mean = 0.0
-            if self.cost.shared_token_ms:
-                tokens = view.column(F_TOKENS)
-                mean = sum(tokens) / len(tokens)
+            mean = view.mean_tokens if self.cost.shared_token_ms else 0.0
             modeled_s = self.cost.step_ms(view.max_tokens, view.max_ctx, mean) * self.s.time_scale / 1000
             left = modeled_s - (time.perf_counter() - t0)
             if left > 0:

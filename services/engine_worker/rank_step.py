@@ -195,11 +195,7 @@ class RankStep:
         if self.budget is not None:
             self._count_arrivals(view, now_s)
         if self.clock is not None:   # the busiest rank's and the mean tokens: what the step's duration is measured against
-            load = view.memo.get("token_load")
-            if load is None:
-                tokens = view.column(F_TOKENS)
-                load = view.memo["token_load"] = (max(tokens, default=0), sum(tokens) / max(1, len(tokens)))
-            self.step_tokens, self.step_mean_tokens = load
+            self.step_tokens, self.step_mean_tokens = view.max_tokens, view.mean_tokens
         released = 0
         gate = self.gate
         held = view.memo.get("held")

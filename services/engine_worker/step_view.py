@@ -62,6 +62,14 @@ class StepView:
         return self._summary()[2]
 
     @property
+    def mean_tokens(self) -> float:
+        """The ranks' mean tokens this step (what a step's shared part follows)."""
+        m = self.memo.get("mean_tokens")
+        if m is None:
+            m = self.memo["mean_tokens"] = sum(r[F_TOKENS] for r in self.rows) / max(1, len(self.rows))
+        return m
+
+    @property
     def max_ctx(self) -> int:
         return max(r[F_MAX_CTX] for r in self.rows)
 
@@ -76,6 +84,7 @@ class StepView:
         for row, v in zip(self.rows, values):
             row[field] = v
         self.memo.pop("summary", None)
+        self.memo.pop("mean_tokens", None)
         self.memo.pop(field, None)
 
     def action(self, rank: int) -> Action:
