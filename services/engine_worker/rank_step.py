@@ -25,7 +25,7 @@ from services.engine_worker.step_view import (F_ALIGN, F_ARRIVED, F_BUSY, F_DECO
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_clock import StepClock
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, must_tokens,
-                                                shared_budget, trim_plan)
+                                                shared_budget, tail_budget, trim_plan, TAIL_MAX_FILL)
 
 
 class RankStep:
@@ -227,6 +227,18 @@ class RankStep:
         cfg = self.budget
         return cfg.busy_backlog_steps if (self.meter.busy if busy is None else busy) else cfg.backlog_steps
 
+    def _tail(self, view: StepView) -> bool:
+        """A busy group's backlog is ending on every rank alike: each has prefill left, none
+        as much as ``TAIL_MAX_FILL`` of a full step, and the group decodes (so the steps that
+        spread the rest run anyway). Where only some ranks have prefill, it is new arrivals,
+        which alignment serves; a remainder near a full step is a prefill step of its own
+        (spread, it only puts more decodes on long steps: docs/benchmarks.md)."""
+        cfg = self.budget
+        if cfg.tail_steps <= 0 or not view.rows[0][F_BUSY] or not _decodes(view):
+            return False
+        q = view.column(F_QUEUED)
+        return all(q) and max(q) < TAIL_MAX_FILL * cfg.max_tokens
+
     def _budget(self, view: StepView) -> int:
         """This step's shared token budget (the same on every rank: a function of the rows)."""
         cfg = self.budget
@@ -236,15 +248,17 @@ class RankStep:
         elif cfg.min_balance > 0:
             # the largest budget most ranks can fill; a rank capped max_capped_steps in a row runs
             T = balanced_budget(decode, tokens, cfg.min_balance, cfg.max_tokens)
-            for t, f in zip(tokens, view.column(F_FORCED)):
-                if f:
-                    T = max(T, int(t))
             headroom = self._backlog_steps(bool(view.rows[0][F_BUSY]))
             # TTFT first, prefill deadlines hold, until the ranks' pending prefill could fill
             # `headroom` of a full group step: one long prompt, or one rank, alone is no backlog
             if _fillable(view, cfg.max_tokens) / (len(decode) * cfg.max_tokens) < headroom:
                 for t, m in zip(tokens, must):
                     T = max(T, min(int(t), int(m)))
+            if self._tail(view):
+                T = min(T, tail_budget(decode, view.column(F_QUEUED), cfg))
+            for t, f in zip(tokens, view.column(F_FORCED)):
+                if f:
+                    T = max(T, int(t))
         else:
             T = shared_budget(decode, tokens, must, cfg)
         view.set_column(F_TOKENS, allowed_all(decode, tokens, T))
