@@ -31,7 +31,7 @@ from shared.tokenizer import EOS
 from services.engine_worker.batch_gate import BatchGate
 from services.engine_worker.block_manager import BlockManager
 from services.engine_worker.engine_scheduler import EngineScheduler
-from services.engine_worker.step_view import Action, F_MAX_CTX
+from services.engine_worker.step_view import Action
 from services.engine_worker.rank_step import RankStep, group_view
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_budget import BudgetConfig
@@ -223,7 +223,7 @@ class EngineGroup:
                 return a0
             break
         mx = view.max_tokens
-        max_ctx = max(view.column(F_MAX_CTX))
+        max_ctx = view.max_ctx
         div = self.div
         mean = view.mean_tokens
         dur = self.cost.step_ms(mx / div if div > 1 else mx, max_ctx, mean / div if div > 1 else mean) / 1000.0
