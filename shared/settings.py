@@ -231,6 +231,8 @@ class EngineSettings(Settings):
     align_lone_share: float = Field(0.2, ge=0, description="Coordinated prefill: a prefill waits for company only while the group's prefill would take at least this share of its time if every prompt prefilled alone (the prompt tokens/s reaching the group x the measured ms per token), the whole wait from align_lone_share_full; below, a lone prefill costs the decodes little and it starts at once, TTFT first (0 = always wait; docs/benchmarks.md).")
     align_lone_share_full: float = Field(0.3, ge=0, description="Coordinated prefill: the lone-prefill share (align_lone_share) from which the whole wait for company is in force; between the two it grows in proportion.")
     align_lone_window_s: float = Field(10.0, gt=0, description="Coordinated prefill: the averaging time of the prompt tokens/s behind align_lone_share.")
+    align_grow_share: float = Field(1.0, ge=0, description="Coordinated prefill: the wait for company grows with the other ranks' pending prefill (toward align_max_delay_steps) only while the lone-prefill share (align_lone_share's measure) is at least this; below 1 every prompt prefilled alone would still fit in the group's time, so there is headroom and a longer wait only delays first tokens (docs/benchmarks.md).")
+    align_grow_share_full: float = Field(2.0, ge=0, description="Coordinated prefill: the lone-prefill share from which the wait's whole growth (align_grow_share) is in force; between the two it grows in proportion (0 = always in force).")
     align_tail_steps: float = Field(4.0, ge=0, description="Coordinated prefill: when a busy group's backlog ends on every rank alike (each has prefill left, none half a full step), its last prefill rides on about this many of the decode steps that follow, a 1/align_tail_steps share of what remains per step and at least max_num_batched_tokens/16, instead of one long step that every decode waits through (0 = the last step runs whole; applies with align_min_balance > 0; docs/benchmarks.md).")
     gate_timeout_ms: float = Field(100.0, description="Staggered batches: rank 0 releases a batch whose shares did not all arrive within this.")
     metrics_port: int = Field(0, description="Serve Prometheus metrics (lockstep_engine_*) on this port (a spare: this port + the rank it takes); 0 = off.")
@@ -240,6 +242,9 @@ class EngineSettings(Settings):
         if self.align_lone_share_full < self.align_lone_share:
             raise ValueError(f"align_lone_share_full ({self.align_lone_share_full}) must be at least "
                              f"align_lone_share ({self.align_lone_share}): the whole wait starts there")
+        if 0 < self.align_grow_share_full < self.align_grow_share:
+            raise ValueError(f"align_grow_share_full ({self.align_grow_share_full}) must be at least "
+                             f"align_grow_share ({self.align_grow_share}), or 0 to keep the whole growth")
         return self
 
     @property

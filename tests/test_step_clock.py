@@ -250,6 +250,50 @@ def test_on_a_shared_device_a_prefill_starts_at_once_where_waiting_saves_nothing
     assert rate * (0.02 + 0.275) / 1000.0 > LONE.lone_share_full
 
 
+# --- the wait grows with the backlog only where the group has no headroom (align_grow_share)
+
+GROW = replace(LONE, grow_share=1.0, grow_share_full=2.0)
+
+
+def _must_beside_a_backlog(cfg: BudgetConfig, traffic_tokens: int) -> int:
+    """Rank 0's deadline tokens for its 500-token prompt, 11 ms after it arrived, while rank
+    2 holds a full step of prefill (a quarter of the group's: the other ranks' backlog
+    rank 0's wait grows with)."""
+    from services.engine_worker.sequence import SamplingParams, Sequence
+    from services.engine_worker.step_view import F_MUST
+    ranks = _group(cfg, traffic_tokens)
+    big = Sequence("2-big", list(range(2048)), SamplingParams(max_tokens=16))
+    ranks[2].core.add(big)
+    ranks[2].arrived(big, 0.0)
+    _first_step(ranks)   # the view that tells rank 0 of rank 2's backlog
+    return ranks[0].plan(0.011)[1][F_MUST]
+
+
+def test_with_headroom_the_wait_for_company_does_not_grow_with_the_backlog():
+    """On poisson at 0.3x (16 ranks) the wait grew with the few prompts pending elsewhere
+    to ~6 full steps, and its first tokens' p99 was 0.29 s against 0.24 s for placement
+    alone; the lone-prefill share read ~0.86 there: every prompt prefilled alone would
+    still fit in the group's time. Below align_grow_share the wait stays at its minimum,
+    1.5 full steps (196 ms): 500 tokens over 18 steps of 10 ms."""
+    ranks = _group(GROW, traffic_tokens=2_000)
+    assert LONE.lone_share_full < ranks[0].lone_share(0.011) < GROW.grow_share
+    assert _must_beside_a_backlog(GROW, 2_000) == 28
+    # the rule off: the wait grows to 0.25 x 23 full steps (752 ms), the pace to 7 a step
+    assert _must_beside_a_backlog(replace(GROW, grow_share_full=0.0), 2_000) == 7
+
+
+def test_without_headroom_the_wait_grows_with_the_backlog():
+    ranks = _group(GROW, traffic_tokens=18_000)
+    assert ranks[0].lone_share(0.011) > GROW.grow_share_full
+    assert _must_beside_a_backlog(GROW, 18_000) == 7
+
+
+def test_the_growths_shares_must_be_ordered():
+    with pytest.raises(ValueError):
+        BudgetConfig(grow_share=2.0, grow_share_full=1.0)
+    assert BudgetConfig(grow_share=1.0, grow_share_full=0.0).grow_share_full == 0.0   # 0: always grows
+
+
 def test_each_step_teaches_the_clock_its_busiest_and_mean_tokens():
     class Recorder:
         def observe(self, *args):

@@ -82,10 +82,26 @@ class RankStep:
         delays the decodes little, and waiting only delays its first token), all of it from
         ``lone_share_full``, in proportion between; all of it until a step is measured."""
         cfg = self.budget
+        return self._share_worth(cfg.lone_share, cfg.lone_share_full, now_s)
+
+    def _growth_worth(self, now_s: float) -> float:
+        """How much of the wait's growth with the backlog is in force: none while every
+        prompt prefilled alone would take under ``grow_share`` of the group's time (there is
+        headroom: the minimum wait already finds the company there is, and waiting longer
+        only delays first tokens), all of it from ``grow_share_full``; always all of it
+        where ``grow_share_full`` is 0."""
+        cfg = self.budget
+        if cfg.grow_share_full <= 0:
+            return 1.0
+        return self._share_worth(cfg.grow_share, cfg.grow_share_full, now_s)
+
+    def _share_worth(self, lo: float, full: float, now_s: float) -> float:
+        """0 below a lone-prefill share of ``lo``, 1 from ``full``, in proportion between;
+        1 until a step is measured."""
         if self.clock.full_step_ms <= 0:
             return 1.0
-        span = max(1e-9, cfg.lone_share_full - cfg.lone_share)
-        return min(1.0, max(0.0, (self.lone_share(now_s) - cfg.lone_share) / span))
+        span = max(1e-9, full - lo)
+        return min(1.0, max(0.0, (self.lone_share(now_s) - lo) / span))
 
     def lone_share(self, now_s: float) -> float:
         """The share of the group's time its prefill would take if every prompt prefilled
@@ -142,11 +158,12 @@ class RankStep:
         if self._idle_hold(plan, pending, now_ms):
             return 0, queued
         # a prefill may wait for company min_delay, longer in proportion to the prefill
-        # pending on the other ranks (what it could share a balanced step with)
+        # pending on the other ranks (what it could share a balanced step with) where the
+        # group has no headroom (the growth's worth)
         delay = None
         if cfg.min_balance > 0:
             lo, hi = self.delays_ms()
-            delay = max(lo, hi * min(1.0, self.backlog / self._backlog_steps()))
+            delay = max(lo, hi * min(1.0, self.backlog / self._backlog_steps()) * self._growth_worth(now_s))
             if cfg.lone_share > 0:
                 delay *= self._company_worth(now_s)
                 # nothing to wait for beside decodes: it runs now, backlog or not (forced)

@@ -55,6 +55,12 @@ class BudgetConfig:
     lone_share: float = 0.0
     lone_share_full: float = 0.0
     lone_tau_s: float = 10.0
+    # >0: the wait's growth with the backlog (toward max_delay) is in force only while that
+    # same lone-prefill share is at least grow_share, in full from grow_share_full: below 1,
+    # every prompt prefilled alone would still fit in the group's time, so there is headroom
+    # and a longer wait only delays first tokens (0: the growth is always in force)
+    grow_share: float = 0.0
+    grow_share_full: float = 0.0
     # >0: a busy group's last prefill (every rank has some left, under TAIL_MAX_FILL of a full
     # step) rides on the decode steps that follow, a 1/tail_steps share of what remains per
     # step and at least max_tokens/16, instead of one long step every decode waits through
@@ -75,6 +81,8 @@ class BudgetConfig:
             raise ValueError("min_balance must be in [0, 1)")
         if self.lone_share < 0 or self.lone_share_full < self.lone_share or self.lone_tau_s <= 0:
             raise ValueError("lone_share must be >= 0, lone_share_full >= lone_share and lone_tau_s > 0")
+        if self.grow_share < 0 or self.grow_share_full < 0 or 0 < self.grow_share_full < self.grow_share:
+            raise ValueError("grow_share and grow_share_full must be >= 0, grow_share_full >= grow_share (or 0: always)")
         if self.tail_steps < 0:
             raise ValueError("tail_steps must be >= 0")
         if self.busy_level < 0 or self.busy_tau_s <= 0 or self.busy_backlog_steps <= 0 or self.busy_capped_steps < 0:
@@ -99,6 +107,7 @@ def from_settings(settings: Any) -> BudgetConfig | None:
                         busy_capped_steps=settings.align_busy_capped_steps,
                         lone_share=settings.align_lone_share, lone_share_full=settings.align_lone_share_full,
                         lone_tau_s=settings.align_lone_window_s * k, tail_steps=settings.align_tail_steps,
+                        grow_share=settings.align_grow_share, grow_share_full=settings.align_grow_share_full,
                         step_ms=0.0)
 
 
