@@ -93,3 +93,14 @@ def test_a_renamed_setting_is_still_read_under_its_old_name(monkeypatch):
     assert _settings(EngineSettings, ["align_max_hold_steps=5"]).align_max_capped_steps == 5
     shown = effective_config({"LOCKSTEP_ALIGN_MAX_HOLD_STEPS": "6"}, {}, "ls", None)["engine-worker"]
     assert shown["align_max_capped_steps"] == {"value": 6, "source": "env"}
+
+
+def test_the_waits_share_spans_must_be_ordered_and_every_accepted_one_builds_a_budget():
+    from services.engine_worker.step_budget import from_settings
+    with pytest.raises(SettingsError, match="align_grow_share_full"):
+        EngineSettings(align_grow_share=2.0, align_grow_share_full=1.0)
+    with pytest.raises(SettingsError, match="align_lone_share_full"):
+        EngineSettings(align_lone_share=0.5, align_lone_share_full=0.3)
+    for grow, full in ((1.0, 0.0), (0.0, 0.0), (1.5, 1.5), (1.0, 2.0)):   # 0: the whole growth, always
+        cfg = from_settings(EngineSettings(align_grow_share=grow, align_grow_share_full=full))
+        assert (cfg.grow_share, cfg.grow_share_full) == (grow, full)
