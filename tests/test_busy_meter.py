@@ -41,10 +41,27 @@ def test_one_burst_does_not_flip_it_and_level_zero_never_is_busy():
     assert not off.busy
 
 
+def test_the_busy_threshold_is_prompt_tokens_a_rank_whatever_the_step_size():
+    """Set in full steps, the same 0.15 was 307 tokens a rank on 2,048-token steps but 691
+    on the gb200 profile's 4,608: there poisson at 1.0x never turned busy (efficiency
+    0.929, against 0.964 counted in tokens)."""
+    def meter(max_tokens: int) -> BusyMeter:
+        core = EngineScheduler(BlockManager(64, 16), max_num_batched_tokens=max_tokens, max_num_seqs=8,
+                               max_model_len=8192)
+        cfg = BudgetConfig(max_tokens=max_tokens, min_balance=0.9, busy_tokens=307.0)
+        return RankStep(0, core, BatchGate(rank=0), cfg).meter
+
+    for tokens, busy in ((400, True), (250, False)):
+        for max_tokens in (2048, 4608):
+            m = meter(max_tokens)
+            m.observe(tokens / max_tokens, 0.0)   # the meter reads pending prefill in full steps
+            assert m.busy is busy, (tokens, max_tokens)
+
+
 def _rank_step(rank: int) -> RankStep:
     core = EngineScheduler(BlockManager(64, 16), max_num_batched_tokens=2048, max_num_seqs=8, max_model_len=4096)
     gate = BatchGate(rank=rank, timeout_s=0.1)
-    cfg = BudgetConfig(max_tokens=2048, min_balance=0.9, backlog_steps=0.5, busy_level=0.15,
+    cfg = BudgetConfig(max_tokens=2048, min_balance=0.9, backlog_steps=0.5, busy_tokens=0.15 * 2048,
                        busy_backlog_steps=0.25, min_delay_ms=200.0, max_delay_ms=3000.0, step_ms=0.0)
     return RankStep(rank, core, gate, cfg)
 

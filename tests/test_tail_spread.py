@@ -22,7 +22,7 @@ FULL = 4608
 
 
 def _cfg(tail_steps: float = 4.0) -> BudgetConfig:
-    return BudgetConfig(max_tokens=FULL, min_balance=0.9, backlog_steps=0.5, busy_level=0.15,
+    return BudgetConfig(max_tokens=FULL, min_balance=0.9, backlog_steps=0.5, busy_tokens=0.15 * FULL,
                         busy_backlog_steps=0.25, min_delay_ms=200.0, max_delay_ms=3000.0, step_ms=0.0,
                         tail_steps=tail_steps)
 

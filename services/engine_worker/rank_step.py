@@ -44,7 +44,8 @@ class RankStep:
         self.backlog = 0.0                        # prefill pending on the other ranks, in full steps (last view)
         self.group_idle = True                    # last view: no rank decoded, none other had prefill pending
         self.group_quiet = True                   # last view: no rank decoded
-        self.meter = BusyMeter(budget.busy_level, budget.busy_tau_s) if budget is not None else None
+        # the meter reads the pending prefill in full steps: its threshold in the same unit
+        self.meter = BusyMeter(budget.busy_tokens / budget.max_tokens, budget.busy_tau_s) if budget is not None else None
         self.clock = StepClock(budget.max_tokens) if budget is not None else None
         self.step_tokens = 0                      # the busiest rank's tokens in the step last decided
         self.step_mean_tokens = 0.0               # and the ranks' mean tokens in it

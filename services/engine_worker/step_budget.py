@@ -42,9 +42,11 @@ class BudgetConfig:
     # step_clock.py); the ms values stand until the engine has measured one
     min_delay_steps: float = 0.0
     max_delay_steps: float = 0.0
-    # A busy group (its pending prefill averaged over busy_tau_s reaches busy_level full
-    # steps; 0 = never): throughput-first, with these in place of backlog_steps and max_capped_steps.
-    busy_level: float = 0.0
+    # A busy group (its pending prefill averaged over busy_tau_s reaches busy_tokens prompt
+    # tokens a rank; 0 = never): throughput-first, with these in place of backlog_steps and
+    # max_capped_steps. In tokens, not full steps: an engine allowed larger steps is not
+    # backlogged later (docs/benchmarks.md, "How the default decides", item 5)
+    busy_tokens: float = 0.0
     busy_tau_s: float = 2.0
     busy_backlog_steps: float = 0.25
     busy_capped_steps: int = 64
@@ -85,8 +87,8 @@ class BudgetConfig:
             raise ValueError("grow_share and grow_share_full must be >= 0, grow_share_full >= grow_share (or 0: always)")
         if self.tail_steps < 0:
             raise ValueError("tail_steps must be >= 0")
-        if self.busy_level < 0 or self.busy_tau_s <= 0 or self.busy_backlog_steps <= 0 or self.busy_capped_steps < 0:
-            raise ValueError("busy_level and busy_capped_steps must be >= 0, busy_tau_s and busy_backlog_steps > 0")
+        if self.busy_tokens < 0 or self.busy_tau_s <= 0 or self.busy_backlog_steps <= 0 or self.busy_capped_steps < 0:
+            raise ValueError("busy_tokens and busy_capped_steps must be >= 0, busy_tau_s and busy_backlog_steps > 0")
 
 
 def from_settings(settings: Any) -> BudgetConfig | None:
@@ -102,7 +104,7 @@ def from_settings(settings: Any) -> BudgetConfig | None:
                         min_delay_steps=settings.align_min_delay_steps, max_delay_steps=settings.align_max_delay_steps,
                         backlog_steps=settings.align_backlog_steps,
                         min_balance=settings.align_min_balance, max_capped_steps=settings.align_max_capped_steps,
-                        busy_level=settings.align_busy_level, busy_tau_s=settings.align_busy_window_s * k,
+                        busy_tokens=settings.align_busy_tokens, busy_tau_s=settings.align_busy_window_s * k,
                         busy_backlog_steps=settings.align_busy_backlog_steps,
                         busy_capped_steps=settings.align_busy_capped_steps,
                         lone_share=settings.align_lone_share, lone_share_full=settings.align_lone_share_full,
