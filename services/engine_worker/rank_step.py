@@ -92,7 +92,7 @@ class RankStep:
         only delays first tokens), all of it from ``grow_share_full``; always all of it
         where ``grow_share_full`` is 0."""
         cfg = self.budget
-        if cfg.grow_share_full <= 0:
+        if cfg.grow_share_full <= 0 or self.meter.busy:
             return 1.0
         return self._share_worth(cfg.grow_share, cfg.grow_share_full, now_s)
 
