@@ -90,7 +90,8 @@ class RankStep:
         prompt prefilled alone would take under ``grow_share`` of the group's time (there is
         headroom: the minimum wait already finds the company there is, and waiting longer
         only delays first tokens), all of it from ``grow_share_full``; always all of it
-        where ``grow_share_full`` is 0."""
+        where ``grow_share_full`` is 0, and while the group is busy: prompts reach a full
+        group only as its slots free, so the share reads low behind a queue."""
         cfg = self.budget
         if cfg.grow_share_full <= 0 or self.meter.busy:
             return 1.0

@@ -60,7 +60,8 @@ class BudgetConfig:
     # >0: the wait's growth with the backlog (toward max_delay) is in force only while that
     # same lone-prefill share is at least grow_share, in full from grow_share_full: below 1,
     # every prompt prefilled alone would still fit in the group's time, so there is headroom
-    # and a longer wait only delays first tokens (0: the growth is always in force)
+    # and a longer wait only delays first tokens (0: the growth is always in force; a busy
+    # group keeps it whole too)
     grow_share: float = 0.0
     grow_share_full: float = 0.0
     # >0: a busy group's last prefill (every rank has some left, under TAIL_MAX_FILL of a full
