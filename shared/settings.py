@@ -225,6 +225,7 @@ class EngineSettings(Settings):
     align_idle_hold_ms: float = Field(5.0, ge=0, description="Coordinated prefill: with no rank decoding, a prefill that arrived less than this ago holds (no forward) until every rank has a full step of prefill or this has passed, so that requests sent together start in one step instead of one rank's lone step delaying the rest (0 = off).")
     align_backlog_steps: float = Field(0.5, description="Coordinated prefill: the group is backlogged when its pending prefill, each rank's counted up to one full step and on two ranks at least, fills this fraction of a full group step; then only balance and align_max_capped_steps start prefills. The wait for company grows with the other ranks' pending prefill in the same unit (docs/benchmarks.md).")
     align_busy_tokens: float = Field(307.0, ge=0, description="Coordinated prefill: the group is busy when its pending prefill, averaged over align_busy_window_s, reaches this many prompt tokens a rank (0.15 of a 2,048-token step, about one prompt queued on every rank, whatever max_num_batched_tokens is); busy, it runs throughput-first with align_busy_backlog_steps and align_busy_capped_steps (0 = never busy; docs/benchmarks.md).")
+    align_busy_level: float | None = Field(None, ge=0, description="Deprecated: the busy threshold in full steps, as it was set until 2026-12-04. When given (and align_busy_tokens is not), align_busy_tokens = this x max_num_batched_tokens, so an old setting keeps its meaning.")
     align_busy_window_s: float = Field(2.0, description="Coordinated prefill: the averaging time of the busy measure (align_busy_tokens).")
     align_busy_backlog_steps: float = Field(0.25, description="Coordinated prefill, busy group: align_backlog_steps in force while busy (a prefill waits longer for company).")
     align_busy_capped_steps: int = Field(64, description="Coordinated prefill, busy group: align_max_capped_steps in force while busy.")
@@ -245,6 +246,8 @@ class EngineSettings(Settings):
         if 0 < self.align_grow_share_full < self.align_grow_share:
             raise ValueError(f"align_grow_share_full ({self.align_grow_share_full}) must be at least "
                              f"align_grow_share ({self.align_grow_share}), or 0 to keep the whole growth")
+        if self.align_busy_level is not None and "align_busy_tokens" not in self.model_fields_set:
+            self.align_busy_tokens = self.align_busy_level * self.max_num_batched_tokens
         return self
 
     @property

@@ -104,3 +104,13 @@ def test_the_waits_share_spans_must_be_ordered_and_every_accepted_one_builds_a_b
     for grow, full in ((1.0, 0.0), (0.0, 0.0), (1.5, 1.5), (1.0, 2.0)):   # 0: the whole growth, always
         cfg = from_settings(EngineSettings(align_grow_share=grow, align_grow_share_full=full))
         assert (cfg.grow_share, cfg.grow_share_full) == (grow, full)
+
+
+def test_a_busy_level_set_in_full_steps_keeps_its_meaning_in_tokens():
+    # align_busy_level (full steps) became align_busy_tokens; an old setting, as an argument
+    # or a LOCKSTEP_* variable, is not dropped silently
+    assert EngineSettings(align_busy_level=0.15, max_num_batched_tokens=4608).align_busy_tokens == pytest.approx(691.2)
+    env = EngineSettings.from_env({"LOCKSTEP_ALIGN_BUSY_LEVEL": "0", "LOCKSTEP_MAX_NUM_BATCHED_TOKENS": "2048"})
+    assert env.align_busy_tokens == 0.0            # "never busy" stays never busy
+    assert EngineSettings(align_busy_level=0.5, align_busy_tokens=100.0).align_busy_tokens == 100.0
+    assert EngineSettings().align_busy_tokens == 307.0

@@ -45,7 +45,7 @@ class BudgetConfig:
     # A busy group (its pending prefill averaged over busy_tau_s reaches busy_tokens prompt
     # tokens a rank; 0 = never): throughput-first, with these in place of backlog_steps and
     # max_capped_steps. In tokens, not full steps: an engine allowed larger steps is not
-    # backlogged later (docs/benchmarks.md, "How the default decides", item 5)
+    # backlogged later (docs/benchmarks.md, "How the default decides", item 4)
     busy_tokens: float = 0.0
     busy_tau_s: float = 2.0
     busy_backlog_steps: float = 0.25
