@@ -165,7 +165,10 @@ class RankStep:
         delay = None
         if cfg.min_balance > 0:
             lo, hi = self.delays_ms()
-            delay = max(lo, hi * min(1.0, self.backlog / self._backlog_steps()) * self._growth_worth(now_s))
+            grown = hi * min(1.0, self.backlog / self._backlog_steps())
+            if grown > lo:   # only then can the growth's worth change the wait
+                grown *= self._growth_worth(now_s)
+            delay = max(lo, grown)
             if cfg.lone_share > 0:
                 delay *= self._company_worth(now_s)
                 # nothing to wait for beside decodes: it runs now, backlog or not (forced)
