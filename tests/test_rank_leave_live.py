@@ -50,12 +50,23 @@ def _running(r: redis.Redis, k: Keys, rank: int) -> int:
     return int(m.group(1)) if m else 0
 
 
+def _where(cluster: Cluster, r: redis.Redis, k: Keys) -> str:
+    """Each rank's last step report and the scheduler's log tail: where the requests went."""
+    stats = {i: r.hget(k.rank_info(i), "stats") for i in range(2)}
+    log = Path(cluster.state_dir) / cluster.namespace / "logs" / "scheduler.log"
+    tail = log.read_text()[-1500:] if log.exists() else "(no scheduler log)"
+    return f"rank stats {stats}; scheduler log tail: {tail}"
+
+
 async def _load_and_leave(cluster: Cluster, r: redis.Redis, k: Keys, victim: int, drain: bool) -> list:
     client = openai.AsyncOpenAI(base_url=cluster.api_url, api_key="unused", max_retries=0, timeout=120)
     survivor = 1 - victim
     try:
         first = [asyncio.create_task(_one(client, i, stream=i % 2 == 0)) for i in range(12)]
-        await asyncio.to_thread(poll_until, lambda: _running(r, k, victim) > 0, 30, "the victim runs requests")
+        try:
+            await asyncio.to_thread(poll_until, lambda: _running(r, k, victim) > 0, 30, "the victim runs requests")
+        except AssertionError as e:   # say where the requests went (a rare CI failure left no trace)
+            raise AssertionError(f"{e}; {_where(cluster, r, k)}") from None
         if drain:
             res = await asyncio.to_thread(cluster.cli, "drain", str(victim))
             assert res.returncode == 0, res.stderr
