@@ -52,6 +52,9 @@ def test_tool_choice_modes():
     assert json.loads(one.guide[1])["maxItems"] == 1 and "maxItems" not in schema
 
 
+BAD = {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}
+
+
 @pytest.mark.parametrize("body,param", [
     ({"tools": [WEATHER]}, "tool_choice"),                                  # auto by default: no parser
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
@@ -61,6 +64,9 @@ def test_tool_choice_modes():
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
     ({"tools": [WEATHER], "tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    # a schema that does not compile is a 400, as in response_format (it was a 200 with an empty output)
+    ({"tools": [WEATHER, BAD], "tool_choice": "required"}, "tools[1].function.parameters"),
+    ({"tools": [BAD], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools[0].function.parameters"),
 ])
 def test_tool_errors_name_the_field(body, param):
     with pytest.raises(ApiError) as err:

@@ -60,6 +60,8 @@ def parse_tools(body: ChatBody) -> tuple[list[dict[str, Any]], ToolCall | None]:
     if not tools:
         raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
     if choice == "required":
+        for i, t in enumerate(tools):
+            _check_schema(i, t)
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
                                                    "parameters": t["parameters"]},
                   "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
@@ -72,7 +74,19 @@ def parse_tools(body: ChatBody) -> tuple[list[dict[str, Any]], ToolCall | None]:
     match = next((t for t in tools if t["name"] == name), None)
     if match is None:
         raise ApiError(400, f"tool_choice names {name!r}, which is not in 'tools'", param="tool_choice")
+    _check_schema(tools.index(match), match)
     return tools, ToolCall("named", ["json", _dumps(match["parameters"])], name)
+
+
+def _check_schema(i: int, tool: dict[str, Any]) -> None:
+    """A 400 naming the tool whose ``parameters`` cannot constrain the output (as
+    ``response_format`` gets): the engine would otherwise find no token the broken grammar
+    allows, and end the output empty with finish_reason "stop"."""
+    from shared import grammar   # llguidance: only for requests that constrain
+    why = grammar.check("json", _dumps(tool["parameters"]))
+    if why is not None:
+        raise ApiError(400, f"tool {tool['name']!r}: 'parameters' cannot be compiled: {why[:300]}",
+                       param=f"tools[{i}].function.parameters")
 
 
 def tools_block(tools: list[dict[str, Any]]) -> str:
