@@ -11,11 +11,13 @@ import sys
 
 import httpx
 import openai
+import orjson
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
+from shared.stats import RankStats, Snapshot
 from shared.tokenizer import encode
 from tests.conftest import ROOT, start_cluster
 from tests.helpers import sim_expected_text, wait_until
@@ -221,6 +223,19 @@ async def test_client_disconnect_frees_the_request(sim_cluster):
             return rec.get(b"finish") == b"abort" and rec
         rec = await wait_until(aborted, timeout=15)
         assert int(rec[b"tokens"] if b"tokens" in rec else 0) < 2000
+
+        # ... and the load view says so while the group pauses: the scheduler's snapshot and
+        # each rank's info (what `lockstep status` shows) hold no running request and no KV.
+        # (The abort empties the group before any step reports it, so the pause reports it;
+        # the view used to show the request running until the next request came.)
+        async def view_empty():
+            raw = await r.hget(keys.snapshot, "json")
+            infos = [await r.hget(keys.rank_info(k), "stats") for k in range(2)]
+            if not raw or not all(infos):
+                return False
+            views = [*Snapshot.decode(raw).ranks.values(), *(RankStats.from_dict(orjson.loads(b)) for b in infos)]
+            return len(views) == 4 and all(v.running == v.outstanding == v.kv_used == 0 for v in views)
+        assert await wait_until(view_empty, timeout=15)
     finally:
         await r.aclose()
 

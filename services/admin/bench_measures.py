@@ -14,8 +14,8 @@ def step_measures(rows: list[dict[str, Any]], num_ranks: int, t_from: float, t_t
     steps: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
     for d in rows:
         t = float(d.get("t", 0.0))
-        if t < t_from or t > t_to:
-            continue
+        if t < t_from or t > t_to or (d.get("extra") or {}).get("pause"):
+            continue   # a pause's report is the ranks' load, not a step
         steps.setdefault((int(d["wave"]), int(d["step"])), {})[int(d["rank"])] = d
     n = max([num_ranks, *(r + 1 for s in steps.values() for r in s)]) if steps else num_ranks
     keys = sorted(steps)

@@ -35,28 +35,12 @@ class Outputs:
         pipe = Recorder()
         finished = self.write(pipe, outputs, now)
         ran = action is Action.RUN
-        outstanding, pending = st.core.load()
-        stats = RankStats(
-            rank=st.rank, wave=st.wave, step=st.step, waiting=st.core.num_waiting,
-            running=st.core.num_running, scheduled=plan.num_tokens if ran else 0,
-            prefill=plan.prefill_tokens if ran else 0, decode=plan.decode_tokens if ran else 0,
-            kv_used=st.core.kv_used, kv_total=st.core.kv_total,
-            outstanding=outstanding, idle=action is Action.IDLE,
-            dur_ms=round(dur_ms, 3), t=now, finished=finished, held=plan.held, recv=st.recv.as_dict(time.monotonic()),
-            extra={"gate_full": st.gate.released_full, "gate_timeout": st.gate.released_timeout,
-                   "preemptions": st.core.num_preemptions, "reforms": self.member.reforms, "gen": self.member.gen,
-                   "round_trips": st.round_trips, "exchange_s": round(st.exchange_s, 6),
-                   "comm_s": round(getattr(st.backend, "comm_seconds", 0.0), 6), **_budget_state(st.rs)},
-            prefill_pending=pending)
+        stats = self._stats(now, finished, dur_ms, scheduled=plan.num_tokens if ran else 0,
+                            prefill=plan.prefill_tokens if ran else 0, decode=plan.decode_tokens if ran else 0,
+                            idle=action is Action.IDLE, held=plan.held)
         if st.metrics is not None:
             st.metrics.on_step(stats)
-        blob = encode(stats)
-        step_key = self.keys.step_reports(st.wave, st.step)
-        pipe.hset(step_key, str(st.rank), blob)
-        pipe.expire(step_key, K.STEP_HASH_TTL_S)
-        pipe.xadd(self.keys.stats, {FIELD: blob}, maxlen=K.STATS_STREAM_MAXLEN, approximate=True)
-        pipe.hset(self.keys.rank_info(st.rank), mapping={"stats": blob, "idle_forwards": st.idle_forwards,
-                                                         "wave": st.wave, "step": st.step})
+        self._report(pipe, stats)
         room = max(0, self.s.max_num_seqs * 2 - st.core.num_waiting, len(self.reader.prefetched))
         if room:
             pipe.xreadgroup(K.ENGINE_GROUP, self.reader.consumer,
@@ -67,17 +51,50 @@ class Outputs:
         if room:
             self.reader.take(results[-1])
 
-    async def flush(self, paused: bool = False) -> None:
-        """Before a pause: send what is pending (rejections, aborts, acks) without a step.
-        ``paused`` (rank 0): record which wave the next wake starts, so that the dispatch
-        that ends the pause wakes every rank at once (shared/wake.py)."""
+    async def flush(self, paused: bool = False, pausing: bool = False) -> None:
+        """Without a step: send what is pending (rejections, aborts, acks). ``pausing``: the
+        group pauses at this (wave, step), and every rank reports its load for it (a step's
+        stats with nothing computed, ``extra.pause``), so that the load view and ``lockstep
+        status`` do not show work that went while no step ran (an abort, a rejection) for
+        the whole pause. ``paused`` (rank 0): record the wave the next wake starts, so that
+        the dispatch that ends the pause wakes every rank at once (shared/wake.py)."""
         st = self.state
-        if st.early or st.aborted or st.acks or paused:
+        if st.early or st.aborted or st.acks or paused or pausing:
+            now = time.time()
             pipe = Recorder()
-            self.write(pipe, [], time.time())
+            self.write(pipe, [], now)
+            if pausing:
+                self._report(pipe, self._stats(now, 0, 0.0, extra={"pause": True}))
             if paused:
-                pipe.set(self.keys.paused, st.wave)
+                pipe.set(self.keys.paused, st.wave + 1 if pausing else st.wave)
             await self.reader.execute(pipe)
+
+    def _stats(self, now: float, finished: int, dur_ms: float, scheduled: int = 0, prefill: int = 0,
+               decode: int = 0, idle: bool = False, held: int = 0, extra: dict[str, Any] | None = None) -> RankStats:
+        st = self.state
+        outstanding, pending = st.core.load()
+        return RankStats(
+            rank=st.rank, wave=st.wave, step=st.step, waiting=st.core.num_waiting,
+            running=st.core.num_running, scheduled=scheduled, prefill=prefill, decode=decode,
+            kv_used=st.core.kv_used, kv_total=st.core.kv_total,
+            outstanding=outstanding, idle=idle,
+            dur_ms=round(dur_ms, 3), t=now, finished=finished, held=held, recv=st.recv.as_dict(time.monotonic()),
+            extra={"gate_full": st.gate.released_full, "gate_timeout": st.gate.released_timeout,
+                   "preemptions": st.core.num_preemptions, "reforms": self.member.reforms, "gen": self.member.gen,
+                   "round_trips": st.round_trips, "exchange_s": round(st.exchange_s, 6),
+                   "comm_s": round(getattr(st.backend, "comm_seconds", 0.0), 6), **_budget_state(st.rs),
+                   **(extra or {})},
+            prefill_pending=pending)
+
+    def _report(self, pipe: Any, stats: RankStats) -> None:
+        """The stats of (stats.wave, stats.step): the step's hash, the stats stream, the rank's info."""
+        blob = encode(stats)
+        step_key = self.keys.step_reports(stats.wave, stats.step)
+        pipe.hset(step_key, str(stats.rank), blob)
+        pipe.expire(step_key, K.STEP_HASH_TTL_S)
+        pipe.xadd(self.keys.stats, {FIELD: blob}, maxlen=K.STATS_STREAM_MAXLEN, approximate=True)
+        pipe.hset(self.keys.rank_info(stats.rank), mapping={"stats": blob, "idle_forwards": self.state.idle_forwards,
+                                                           "wave": stats.wave, "step": stats.step})
 
     def write(self, pipe: Any, outputs: list[Any], now: float) -> int:
         """Queue deltas (one stream entry per api-server), request records and acks."""

@@ -230,9 +230,9 @@ class EngineWorker:
                     await self._hold()
                 continue
             if action is Action.PAUSE:
+                await self.outputs.flush(paused=st.rank == 0, pausing=True)
                 st.wave += 1
                 st.step = 0
-                await self.outputs.flush(paused=st.rank == 0)
                 await self.pauses.pause()
                 continue
             t0 = time.perf_counter()
