@@ -17,8 +17,14 @@ from services.api_server.errors import ApiError
 MAX_RETRY_AFTER_S = 60
 
 
+SHUTTING_DOWN = "this api-server is shutting down; retry the request (another replica, or this one once restarted)"
+
+
 def admit(gw: Any, settings: Any, need: int = 1) -> None:
-    """Raise the 429 for a request that needs ``need`` in-flight slots, if it must wait."""
+    """Raise the 429 for a request that needs ``need`` in-flight slots, if it must wait
+    (the 503 of a replica that is shutting down)."""
+    if getattr(gw, "closing", False):
+        raise ApiError(503, SHUTTING_DOWN, code="shutting_down")
     wait, bound = gw.queue_wait_s, settings.max_queue_wait_s
     if bound > 0 and wait is not None and wait > bound:
         raise ApiError(429, f"server busy: requests are waiting {wait:.0f} s in the scheduler's queue, longer than "

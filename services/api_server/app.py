@@ -7,6 +7,7 @@ import hmac
 import importlib.metadata
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -16,7 +17,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response, StreamingResponse
 
-from services.api_server.admission import admit
+from services.api_server.admission import SHUTTING_DOWN, admit
 from services.api_server.errors import ApiError, error_response
 from services.api_server.gateway import Gateway, RequestChannel, client_policy
 from services.api_server.choice import feed as _feed, final, prompt_part, text_tokens as _text_tokens
@@ -58,6 +59,7 @@ class BodyLimit:
 
     def __init__(self, app: Any, limit: int) -> None:
         self.app, self.limit = app, limit
+        self.begin_close: Callable[[], None] = lambda: None   # what the server calls as shutdown begins (create_app's)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -134,7 +136,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         policy = client_policy(settings, api_id)
         gw = Gateway(r, keys, api_id, dispatch=settings.dispatch, policy=policy, log=log, metrics=metrics)
         await gw.start()
-        state["gw"], state["r"] = gw, r
+        state["gw"], state["r"], state["loop"] = gw, r, asyncio.get_running_loop()
         log.info("api_server_ready", port=settings.port, dispatch=settings.dispatch, ranks=gw.num_ranks)
         try:
             yield
@@ -304,7 +306,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         disconnected = asyncio.ensure_future(_client_gone(request))
         try:
             while ch.finish is None:
-                waiter = asyncio.ensure_future(_wait(ch, deadline))
+                waiter = asyncio.ensure_future(_wait(ch, gw.until(deadline)))
                 done, _ = await asyncio.wait({waiter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
                 if disconnected in done:
                     waiter.cancel()
@@ -314,6 +316,10 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                 try:
                     waiter.result()
                 except TimeoutError:
+                    if gw.closing:
+                        metrics.aborts.labels("shutdown").inc()
+                        gw.abort(rid, "shutdown")
+                        raise ApiError(503, SHUTTING_DOWN, code="shutting_down") from None
                     metrics.aborts.labels("timeout").inc()
                     gw.abort(rid, "timeout")
                     raise ApiError(504, f"no completion within {settings.request_timeout_s:g}s; retry later") from None
@@ -388,8 +394,15 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
             while True:
                 if ch.finish is None:
                     try:
-                        await _wait(ch, deadline)
+                        await _wait(ch, gw.until(deadline))
                     except TimeoutError:
+                        if gw.closing:   # the replica stops: say so, then end the stream cleanly
+                            metrics.aborts.labels("shutdown").inc()
+                            gw.abort(rid, "shutdown")
+                            finished = True
+                            yield _sse_error(503, SHUTTING_DOWN, code="shutting_down")
+                            yield b"data: [DONE]\n\n"
+                            return
                         metrics.aborts.labels("timeout").inc()
                         gw.abort(rid, "timeout")
                         finished = True
@@ -455,11 +468,20 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
     app.state.metrics = metrics
     hot = HotPaths(app, {"/v1/completions": lambda request: handle(request, "completion"),
                          "/v1/chat/completions": lambda request: handle(request, "chat")}, log)
-    return BodyLimit(hot, limit=settings.max_body_bytes)
+    wrapped = BodyLimit(hot, limit=settings.max_body_bytes)
+
+    def begin_close() -> None:
+        """Shutdown began (called from uvicorn's signal handler): the gateway's grace
+        starts, on the loop's own turn."""
+        loop, gw = state.get("loop"), state.get("gw")
+        if loop is not None and gw is not None:
+            loop.call_soon_threadsafe(gw.begin_close, settings.shutdown_grace_s)
+    wrapped.begin_close = begin_close
+    return wrapped
 
 
-def _sse_error(status: int, message: str) -> bytes:
-    return b"data: " + orjson.dumps(ApiError(status, message).body()) + b"\n\n"
+def _sse_error(status: int, message: str, code: str | None = None) -> bytes:
+    return b"data: " + orjson.dumps(ApiError(status, message, code=code).body()) + b"\n\n"
 
 
 async def _client_gone(request: HttpRequest) -> None:

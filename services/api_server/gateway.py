@@ -10,6 +10,7 @@ trips, not one per request.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from typing import Any
@@ -125,6 +126,7 @@ class Gateway:
         self.policy = policy
         self.channels: dict[str, RequestChannel] = {}
         self.rank_of: dict[str, int] = {}
+        self.closing_at = math.inf   # monotonic: when what is in flight must end (begin_close)
         self._writes: list[tuple[str, bytes, str | None]] = []
         self._flusher: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
@@ -159,6 +161,23 @@ class Gateway:
             pass
         for ch in self.channels.values():
             ch.fail("the api-server is shutting down")
+
+    def begin_close(self, grace_s: float) -> None:
+        """Shutdown began: requests in flight have ``grace_s`` more to finish, then end
+        with a 503 that says to retry (streams with an error event and ``[DONE]``, not a cut
+        connection); new ones get that 503 at once. Wakes every waiter to see the deadline."""
+        if self.closing_at == math.inf:
+            self.closing_at = time.monotonic() + max(0.0, grace_s)
+            for ch in self.channels.values():
+                ch.event.set()
+
+    @property
+    def closing(self) -> bool:
+        return self.closing_at < math.inf
+
+    def until(self, deadline: float) -> float:
+        """A request's own deadline, or the shutdown's where that comes first."""
+        return min(deadline, self.closing_at)
 
     # ------------------------------------------------------------------ requests
     def submit(self, req: Request) -> RequestChannel:

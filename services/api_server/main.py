@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 
@@ -25,6 +27,20 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the app when shutdown begins (``on_exit``), so that the
+    requests in flight end with a 503 within ``shutdown_grace_s``, streams with an error
+    event, instead of being cut when uvicorn's own grace runs out."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+
 def main(settings: ApiServerSettings) -> int:
     try:
         asyncio.run(check_reachable(settings.redis_url))
@@ -42,8 +58,11 @@ def main(settings: ApiServerSettings) -> int:
         print(f"lockstep api-server: metrics are this replica's only: {exc}")
         metrics_dir = None
     app = create_app(settings, metrics_dir)
+    # uvicorn cuts what is still open this long after the signal: past our own grace, by
+    # which time every request has had its 503
     config = uvicorn.Config(app, loop="uvloop", http="httptools", log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5, backlog=4096, timeout_keep_alive=30)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=settings.shutdown_grace_s + 2, backlog=4096,
+                            timeout_keep_alive=30)
+    server = _Server(config, on_exit=app.begin_close)
     server.run(sockets=[sock])
     return 0

@@ -21,7 +21,7 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 
 from services.api_server.choice import StreamChoice, final
-from services.api_server.admission import admit
+from services.api_server.admission import SHUTTING_DOWN, admit
 from services.api_server.errors import ApiError
 from services.api_server.gateway import Gateway, RequestChannel
 from services.api_server.protocol import ParsedRequest
@@ -142,7 +142,7 @@ async def _complete(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway
     try:
         for s in subs:
             while s.ch.finish is None:
-                waiter = asyncio.ensure_future(_wait(s.ch.event, deadline))
+                waiter = asyncio.ensure_future(_wait(s.ch.event, gw.until(deadline)))
                 done, _ = await asyncio.wait({waiter, disconnected}, return_when=asyncio.FIRST_COMPLETED)
                 if disconnected in done:
                     waiter.cancel()
@@ -152,6 +152,10 @@ async def _complete(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway
                 try:
                     waiter.result()
                 except TimeoutError:
+                    if gw.closing:
+                        metrics.aborts.labels("shutdown").inc()
+                        reason = "shutdown"
+                        raise ApiError(503, SHUTTING_DOWN, code="shutting_down") from None
                     metrics.aborts.labels("timeout").inc()
                     reason = "timeout"
                     raise ApiError(504, f"no completion within {settings.request_timeout_s:g}s; retry later") from None
@@ -226,8 +230,14 @@ async def _sse(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway, rid
                     metrics.request_done(s.ch, t0, done_t)
                 return
             try:
-                await _wait(event, deadline)
+                await _wait(event, gw.until(deadline))
             except TimeoutError:
+                if gw.closing:   # the replica stops: say so, then end the stream cleanly
+                    metrics.aborts.labels("shutdown").inc()
+                    reason = "shutdown"
+                    yield b"data: " + orjson.dumps(ApiError(503, SHUTTING_DOWN, code="shutting_down").body()) + b"\n\n"
+                    yield b"data: [DONE]\n\n"
+                    return
                 metrics.aborts.labels("timeout").inc()
                 reason = "timeout"
                 yield b"data: " + orjson.dumps(ApiError(504, f"no completion within "
