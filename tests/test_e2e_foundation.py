@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -150,7 +151,9 @@ async def test_200_concurrent_streams_exact_tokens(aclient):
 
 
 def test_models_health_metrics(sim_cluster, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    cards = client.models.list().data
+    assert [m.id for m in cards] == [MODEL]
+    assert time.time() - 3600 < cards[0].created <= time.time()   # a real time, as OpenAI's (it was 0)
     base = sim_cluster.api_url.rsplit("/v1", 1)[0]
     assert httpx.get(base + "/health").json()["status"] == "ok"
     metrics = httpx.get(base + "/metrics").text

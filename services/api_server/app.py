@@ -194,8 +194,10 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
             metrics.observe_policy(gw.policy)
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    started = int(time.time())   # a model card's "created": when this replica began serving it
+
     def model_card() -> dict[str, Any]:
-        return {"id": settings.model, "object": "model", "created": 0, "owned_by": "lockstep",
+        return {"id": settings.model, "object": "model", "created": started, "owned_by": "lockstep",
                 "root": settings.model, "parent": None, "max_model_len": settings.max_model_len}
 
     @app.get("/v1/models")
