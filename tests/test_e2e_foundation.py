@@ -156,6 +156,7 @@ def test_models_health_metrics(sim_cluster, client):
     assert time.time() - 3600 < cards[0].created <= time.time()   # a real time, as OpenAI's (it was 0)
     base = sim_cluster.api_url.rsplit("/v1", 1)[0]
     assert httpx.get(base + "/health").json()["status"] == "ok"
+    client.completions.create(model=MODEL, prompt="x", max_tokens=1)   # a labelled counter shows once counted
     metrics = httpx.get(base + "/metrics").text
     assert "lockstep_api_requests_total" in metrics
 
