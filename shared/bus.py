@@ -199,13 +199,16 @@ _RETRY = Retry(FullJitterBackoff(cap=2.0, base=0.05), retries=-1, supported_erro
 
 async def retrying(op: Callable[[], Awaitable[T]], *, log: Any = None, what: str = "redis",
                    stop: asyncio.Event | None = None, give_up_s: float | None = None,
-                   on_retry: Callable[[], Awaitable[None]] | None = None) -> T:
+                   on_retry: Callable[[], Awaitable[None]] | None = None,
+                   stop_grace_s: float = 0.0) -> T:
     """Run ``op`` until it succeeds, backing off on transient connection errors (and on a
     consumer group lost with a restarted server, after ``on_retry`` recreated it); give up
-    (re-raise) once ``stop`` is set or ``give_up_s`` has passed."""
+    (re-raise) once ``give_up_s`` has passed, or ``stop_grace_s`` after ``stop`` is set
+    (at once by default)."""
     loop = asyncio.get_running_loop()
     started = loop.time()
     failures = 0
+    stop_seen: float | None = None
 
     async def attempt() -> T:
         if failures and on_retry is not None:
@@ -216,9 +219,14 @@ async def retrying(op: Callable[[], Awaitable[T]], *, log: Any = None, what: str
         return await op()
 
     async def fail(exc: Exception, n: int) -> None:
-        nonlocal failures
+        nonlocal failures, stop_seen
         failures = n
-        if (stop is not None and stop.is_set()) or (give_up_s is not None and loop.time() - started > give_up_s):
+        now = loop.time()
+        if stop is not None and stop.is_set():
+            stop_seen = now if stop_seen is None else stop_seen
+            if now - stop_seen >= stop_grace_s:
+                raise exc
+        if give_up_s is not None and now - started > give_up_s:
             raise exc
         if log is not None and (n in (1, 2, 4, 8) or n % 32 == 0):
             log.warning("redis_unavailable", what=what, error=str(exc), attempt=n)
@@ -251,7 +259,8 @@ class Recorder:
 
 async def execute_recorded(r: aioredis.Redis, rec: Recorder, *, log: Any = None, what: str = "pipeline",
                            on_retry: Callable[[], Awaitable[None]] | None = None,
-                           give_up_s: float | None = None) -> list[Any]:
+                           give_up_s: float | None = None, stop: asyncio.Event | None = None,
+                           stop_grace_s: float = 0.0) -> list[Any]:
     """Run the recorded commands in one pipelined round trip; on a connection error back
     off and replay them on a fresh pipeline (the commands are written to be safe to repeat:
     readers dedupe by request id and token position). ``on_retry`` runs before each replay
@@ -262,7 +271,8 @@ async def execute_recorded(r: aioredis.Redis, rec: Recorder, *, log: Any = None,
             getattr(pipe, name)(*args, **kwargs)
         return await pipe.execute()
 
-    return await retrying(once, log=log, what=what, on_retry=on_retry, give_up_s=give_up_s)
+    return await retrying(once, log=log, what=what, on_retry=on_retry, give_up_s=give_up_s, stop=stop,
+                          stop_grace_s=stop_grace_s)
 
 
 async def server_run_id(r: Any, key: str) -> str:

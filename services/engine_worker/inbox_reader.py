@@ -12,11 +12,19 @@ from shared import keys as K
 from shared.bus import Recorder, decode_entries, ensure_group, entry_id_key, execute_recorded
 
 
+# A rank told to stop (or leave) waits out a Redis outage this long, then exits: what it
+# holds stays pending in its inbox, where the scheduler resumes it on another rank (the
+# hand-over's bound too, hand_over.py). Forever was a rank that outlived its cluster.
+STOPPING_REDIS_GRACE_S = 20.0
+
+
 class InboxReader:
     """Writes ``state.acks`` (entries to ack without admitting them) and ``state.round_trips``."""
 
-    def __init__(self, r: Any, keys: K.Keys, state: RankState, consumer: str, log: Any) -> None:
+    def __init__(self, r: Any, keys: K.Keys, state: RankState, consumer: str, log: Any,
+                 stopping: asyncio.Event | None = None) -> None:
         self.r, self.keys, self.state, self.consumer, self.log = r, keys, state, consumer, log
+        self.stopping = stopping   # set: a Redis outage is waited out STOPPING_REDIS_GRACE_S at most
         self.inbox_last: bytes = b"0-0"     # last inbox entry delivered to this rank
         self.fetched: list[tuple[bytes, dict[str, Any]]] = []   # read, not yet admitted (ingest.py)
         # Inbox entries taken straight from the wake-up read, before this consumer claimed
@@ -30,7 +38,8 @@ class InboxReader:
         """One round trip; through a Redis outage it backs off and replays (the work on
         this rank stays in memory; readers dedupe, so a replayed write is harmless)."""
         self.state.round_trips += 1
-        return await execute_recorded(self.r, pipe, log=self.log, what="step", on_retry=self.on_redis_retry)
+        return await execute_recorded(self.r, pipe, log=self.log, what="step", on_retry=self.on_redis_retry,
+                                      stop=self.stopping, stop_grace_s=STOPPING_REDIS_GRACE_S)
 
     async def on_redis_retry(self) -> None:
         # A reply may have been lost after the server delivered inbox entries to us: read

@@ -42,9 +42,18 @@ class Pause:
         while not (arrived or notified or st.reform_requested or self.stopping.is_set()):
             self.member.mark_progress()   # paused is legitimate: the read returns every heartbeat
             st.round_trips += 1
-            resp = await retrying(lambda: self.r.xread({inbox: self.reader.inbox_last, self.keys.wave: self.wave_last},
-                                                       block=self.s.heartbeat_ms, count=16),
-                                  log=self.log, what="pause", on_retry=self.reader.on_redis_retry)
+            try:
+                resp = await retrying(lambda: self.r.xread({inbox: self.reader.inbox_last,
+                                                            self.keys.wave: self.wave_last},
+                                                           block=self.s.heartbeat_ms, count=16),
+                                      log=self.log, what="pause", on_retry=self.reader.on_redis_retry,
+                                      stop=self.stopping)
+            except TRANSIENT:
+                if not self.stopping.is_set():
+                    raise
+                # Told to stop while Redis is gone: no read, and nobody to wake; the step
+                # loop's next round trip waits the outage out, bounded (inbox_reader.py).
+                return
             for stream, eid, doc in decode_entries(resp):
                 if stream.decode() == self.keys.wave:
                     self.wave_last = eid

@@ -28,7 +28,7 @@ from services.engine_worker.block_manager import BlockManager
 from services.engine_worker.engine_scheduler import EngineScheduler
 from services.engine_worker.forward import Forward
 from services.engine_worker.hand_over import HandOver
-from services.engine_worker.inbox_reader import InboxReader
+from services.engine_worker.inbox_reader import STOPPING_REDIS_GRACE_S, InboxReader
 from services.engine_worker.ingest import ingest
 from services.engine_worker.lockstep import Action, GroupBroken, StepView
 from services.engine_worker.membership import ClaimFailed, GroupLost, GroupMembership
@@ -41,7 +41,7 @@ from services.engine_worker.step_view import F_STOP
 from shared import keys as K
 from shared import trace
 from shared.advertise import AddressUnknown, resolve
-from shared.bus import open_service_connection, retrying
+from shared.bus import TRANSIENT, open_service_connection, retrying
 from shared.cost_model import CostModel
 from shared.logging import configure
 from shared.settings import EngineSettings
@@ -127,11 +127,19 @@ class EngineWorker:
             self.log.info("engine_ready", world=self.s.ranks, backend=self.s.backend, pid=os.getpid())
             try:
                 await self._step_loop()
+                if self.leaving and not self.group_stopped:
+                    await HandOver(self.r, self.keys, st, self.reader, self.outputs, self.log).hand_over()
             except GroupLost as exc:
                 self.log.error("engine_group_lost", error=str(exc))
                 return 4
-            if self.leaving and not self.group_stopped:
-                await HandOver(self.r, self.keys, st, self.reader, self.outputs, self.log).hand_over()
+            except TRANSIENT as exc:
+                if not self.stopping.is_set():
+                    raise
+                # Told to stop, and Redis stayed away past the bound (inbox_reader.py): exit;
+                # what this rank held stays pending in its inbox for the scheduler to resume.
+                self.log.error("engine_stopped_without_redis", error=str(exc)[:200],
+                               grace_s=STOPPING_REDIS_GRACE_S)
+                return 5
             return 0
         finally:
             watcher.cancel()
@@ -144,7 +152,7 @@ class EngineWorker:
         so what a dead predecessor left pending stays under its own name, where the
         scheduler finds it and resumes it elsewhere."""
         st = self.state
-        self.reader = InboxReader(self.r, self.keys, st, consumer, self.log)
+        self.reader = InboxReader(self.r, self.keys, st, consumer, self.log, self.stopping)
         self.outputs = Outputs(self.keys, self.s, st, self.reader, self.member, self.log)
         self.pauses = Pause(self.r, self.keys, self.s, st, self.reader, self.member, self.stopping, self.log)
         self.forward = Forward(self.s, st, self.cost)
