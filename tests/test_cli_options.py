@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from services.admin import bench_cmd, chaos
 from services.admin.cli import app
+from services.admin.up import port_taken as PORT_TAKEN
 
 
 def _cli(*args: str):
@@ -34,6 +35,7 @@ def no_start(monkeypatch, tmp_path):
             pass
 
     monkeypatch.setattr(up_mod, "LocalCluster", NoCluster)
+    monkeypatch.setattr(up_mod, "port_taken", lambda host, port: None)   # whatever holds :8000 on this machine
     monkeypatch.setenv("LOCKSTEP_STATE_DIR", str(tmp_path / "state"))
     for var in ("LOCKSTEP_REDIS_URL", "LOCKSTEP_MODEL", "LOCKSTEP_NAMESPACE"):
         monkeypatch.delenv(var, raising=False)
@@ -84,6 +86,44 @@ def test_up_and_engine_refuse_a_dtype_the_ranks_would_ignore_or_fail_on(no_start
     _refused(res, "--dtype must be auto, bfloat16 or float32")
     res = _cli("engine", "--ranks", "0", "--redis-url", "redis://127.0.0.1:1/0", "--dtype", "bfloat16")
     _refused(res, "--dtype bfloat16 applies to a checkpoint")
+
+
+def test_up_refuses_a_port_another_listener_holds(no_start, monkeypatch):
+    # the api-servers bind with SO_REUSEPORT, so a second cluster on a busy port started
+    # beside the first one's and the kernel split the clients between the two clusters
+    import socket
+
+    from services.admin import up as up_mod
+
+    monkeypatch.setattr(up_mod, "port_taken", PORT_TAKEN)   # the real check, not the fixture's
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)   # as another cluster's api-server
+    other.bind(("127.0.0.1", 0))
+    other.listen(1)
+    try:
+        port = other.getsockname()[1]
+        _refused(_cli("up", "--backend", "sim", "--port", str(port)), f"127.0.0.1:{port}", "another --port")
+    finally:
+        other.close()
+    res = _cli("up", "--backend", "sim", "--port", str(port))   # free again
+    assert res.exit_code == 1 and "would start a cluster" in res.stderr, res.output
+
+
+def test_up_refuses_a_port_out_of_range(no_start):
+    # 70000 failed in the api-servers (OverflowError) after everything started; 0 made each
+    # replica listen on a random port of its own while `up` waited for :0
+    for port in ("0", "70000"):
+        res = _cli("up", "--backend", "sim", "--port", port)
+        assert res.exit_code == 2 and "--port" in res.output, (port, res.output)
+
+
+def test_up_refuses_ranks_the_bundled_models_experts_do_not_split_over(no_start):
+    # the bundled model's 8 experts over 3 ranks: every process started, then rank 0 failed
+    _refused(_cli("up", "--ranks", "3"), "8 experts do not split over 3 ranks", "--ranks 1, 2, 4, 8")
+    _refused(_cli("up", "--ranks", "16", "--model", "random"), "do not split over 16 ranks")
+    for ok in (["--ranks", "3", "--backend", "sim"], ["--ranks", "4"]):
+        res = _cli("up", *ok)
+        assert res.exit_code == 1 and "would start a cluster" in res.stderr, (ok, res.output)
 
 
 def test_up_and_engine_refuse_an_unknown_log_level(no_start):

@@ -33,7 +33,7 @@ def _fail(msg: str, code: int = 1) -> None:
 def up(
     ranks: int = typer.Option(4, "--ranks", min=1, help="DP engine ranks."),
     api_servers: int = typer.Option(2, "--api-servers", min=1, help="api-server replicas (all serve --port)."),
-    port: int = typer.Option(8000, "--port", help="HTTP port of the OpenAI-compatible API."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="HTTP port of the OpenAI-compatible API."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     backend: str = typer.Option("torch", "--backend", help="torch (a real MoE on CPU/GPU) or sim (device cost model)."),
     policy: str = typer.Option(DEFAULT_POLICY, "--policy", help="Dispatch policy. " + "; ".join(
@@ -87,9 +87,11 @@ def up(
     if time_scale != 1.0 and backend != "sim":
         _fail("--time-scale scales the sim backend's modeled device time; --backend torch runs the real model "
               "(use --backend sim --time-scale X, or drop --time-scale)", 2)
-    from services.engine_worker.model.factory import check_checkpoint, check_dtype, is_checkpoint
+    from services.engine_worker.model.factory import check_bundled, check_checkpoint, check_dtype, is_checkpoint
     try:
         check_dtype(model or "", dtype)
+        if backend == "torch" and not (model and is_checkpoint(model)):
+            check_bundled(ranks)
     except ValueError as exc:
         _fail(str(exc), 2)
     model_env = {"LOCKSTEP_MODEL": model} if model else {}    # 'lockstep-moe' (the default) or 'random'
@@ -104,6 +106,12 @@ def up(
         model_env = {"LOCKSTEP_MODEL": model, "LOCKSTEP_DTYPE": dtype}
     if local_state.read(namespace):
         _fail(f"a local cluster already runs in namespace {namespace!r}; stop it first or use --namespace", 2)
+    from services.admin.up import port_taken
+    taken = port_taken(host, port)
+    if taken:
+        _fail(f"cannot serve on {host}:{port}: {taken}. Another process listens there (another lockstep "
+              "cluster's api-servers would share the port and split its clients with this one): stop it, or "
+              "pick another --port", 2)
     opts = UpOptions(ranks=ranks, api_servers=api_servers, port=port, host=host, backend=backend, policy=policy,
                      dispatch=dispatch, namespace=namespace, redis_url=redis_url, persist_dir=persist,
                      time_scale=time_scale, log_level=log_level, schedulers=schedulers, spares=spares,

@@ -328,7 +328,7 @@ def register(app: typer.Typer) -> None:
             fail("give --ranks A-B, or both --ranks-per-host R and --host-index I (not both ways)")
         if not ranks and host_index is None and spares < 1:
             fail("say what runs here: --ranks A-B (this host's ranks), --spares K (hot spares), or both")
-        from services.engine_worker.model.factory import check_checkpoint, check_dtype, is_checkpoint
+        from services.engine_worker.model.factory import check_bundled, check_checkpoint, check_dtype, is_checkpoint
         try:
             check_dtype(model or "", dtype)
         except ValueError as exc:
@@ -341,6 +341,11 @@ def register(app: typer.Typer) -> None:
             addr = advertise_addr or default_advertise_addr(redis_url)
         except (BadOption, RedisUnreachable, ValueError) as exc:
             fail(str(exc))
+        if backend == "torch" and not (model and is_checkpoint(model)):
+            try:
+                check_bundled(world)
+            except ValueError as exc:
+                fail(str(exc))
         extra = {}
         if model:
             extra["LOCKSTEP_MODEL"] = model

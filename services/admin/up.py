@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,6 +222,28 @@ class LocalCluster(Supervisor):
             self.redis.stop()
             self.redis = None
         local_state.remove(self.o.namespace, os.getpid())
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be served by a new cluster, or None. The api-servers bind
+    with SO_REUSEPORT (the replicas share the port), so a second cluster's would bind beside
+    another's and the kernel would split the clients between the two: bound here without it,
+    any listener there makes the bind fail."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"unknown host ({exc})"
+    for family, kind, proto, _, addr in infos[:1]:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a closed one's TIME_WAIT is no owner
+            sock.bind(addr)
+            sock.listen(1)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        finally:
+            sock.close()
+    return None
 
 
 def check_options(opts: UpOptions) -> list[Any]:

@@ -30,6 +30,19 @@ def check_dtype(model: str, dtype: str) -> None:
                          f"({model or 'lockstep-moe'}) always runs in float32: drop --dtype")
 
 
+def check_bundled(ranks: int) -> None:
+    """Refuse, before any process starts, a rank count over which the bundled model's
+    experts (the trained one's and ``random``'s alike) do not split evenly."""
+    from services.engine_worker.model.config import MoEConfig
+
+    n = MoEConfig().n_experts
+    if n % ranks:
+        fits = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+        raise ValueError(f"the bundled model's {n} experts do not split over {ranks} ranks: use --ranks "
+                         f"{fits} with --backend torch (or --backend sim, or a checkpoint whose expert count "
+                         f"{ranks} divides, --model DIR)")
+
+
 def check_checkpoint(model: str, ranks: int, max_model_len: int) -> Any:
     """Refuse, with what to do instead, a directory that cannot be served by ``ranks`` ranks
     (before any process starts). Returns its HFConfig."""
