@@ -130,7 +130,7 @@ async def check_reachable(url: str, timeout_s: float = 3.0) -> None:
         await asyncio.wait_for(client.ping(), timeout_s)
     except Exception as exc:  # noqa: BLE001 - any failure means the same to the user
         raise RedisUnreachable(
-            f"cannot reach Redis at {redact_url(url)}: {exc.__class__.__name__}: {exc}. "
+            f"cannot reach Redis at {redact_url(url)}: {exc.__class__.__name__}: {str(exc).rstrip('.')}. "
             "Start one, fix --redis-url / LOCKSTEP_REDIS_URL, or omit it to let `lockstep up` start its own.") from None
     finally:
         await client.aclose()

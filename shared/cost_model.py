@@ -25,8 +25,10 @@ batch reads (docs/calibration.md: what this misses on a real device). Calibrated
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +52,25 @@ class CostModel:
 
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON ({exc})") from None
+        return cls.checked(data, str(path))
+
+    @classmethod
+    def checked(cls, data: Any, where: str) -> "CostModel":
+        """From a JSON object (a ``--cost-model`` file, a profile's ``cost``), refusing what
+        is no model of a device: unknown fields, and values that are not finite ms >= 0."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: a cost model is a JSON object of {sorted(cls.__dataclass_fields__)}")
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"{path}: unknown cost-model fields {sorted(unknown)}; "
+            raise ValueError(f"{where}: unknown cost-model fields {sorted(unknown)}; "
                              f"known: {sorted(cls.__dataclass_fields__)}")
-        return cls(**data)
+        bad = [k for k, v in data.items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0]
+        if bad:
+            raise ValueError(f"{where}: {', '.join(f'{k}={data[k]!r}' for k in bad)}: every cost-model field "
+                             "is a finite number of milliseconds >= 0")
+        return cls(**{k: float(v) for k, v in data.items()})

@@ -185,6 +185,17 @@ def fake_bench(monkeypatch):
 BENCH = ("bench", "--url", "http://x", "--redis-url", "redis://h:1/0", "--json")
 
 
+def test_bench_says_when_it_cannot_read_the_step_stats(monkeypatch):
+    # an unreachable --redis-url (the API reachable) ended in a redis traceback
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    async def unreachable(*a, **kw):
+        raise RedisConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
+    monkeypatch.setattr(bench_cmd, "run_bench", unreachable)
+    res = _cli(*BENCH)
+    assert res.exit_code == 2 and "cannot read the step stats from Redis at redis://h:1/0" in res.output, res.output
+
+
 def test_bench_refuses_generator_options_with_a_trace(fake_bench, tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"t": 0, "prompt_tokens": 8, "output_tokens": 2}\n')
@@ -241,6 +252,59 @@ def test_simulate_refuses_options_its_path_does_not_read(tmp_path):
     res = _cli(*small, "--dispatch", "client", "--view-interval-ms", "50")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["config"]["dispatch"] == "client"
+
+
+@pytest.mark.parametrize("args, needle", [
+    # each was a traceback (exit 1) or a run on nonsense (NaN / Infinity in the JSON)
+    (["--rate", "nan"], "finite"), (["--rate", "inf"], "finite"),
+    (["--sweep", "nan"], "--sweep"), (["--sweep", "0.5,abc"], "--sweep"), (["--sweep", "inf"], "--sweep"),
+    (["--param", "least_score.nosuch=1"], "--param least_score.nosuch=1"),
+    (["--policies", "default", "--param", "default.level_tokens=abc"], "--param default.level_tokens"),
+    (["--policies", "default", "--param", "default.budget.nosuch=1"], "no such budget setting"),
+    (["--policies", "default", "--param", "default.budget.min_balance=abc"], "--param default.budget"),
+    (["--policies", " , "], "--policies"),
+    (["--plot", "/nonexistent-dir/p.png"], "--plot"),
+    (["--dispatch", "client", "--view-interval-ms", "-10"], "--view-interval-ms"),
+])
+def test_simulate_refuses_bad_values_with_the_option_named(args, needle):
+    base = ["simulate", "--ranks", "2", "--requests", "5", "--policies", "least_score"]
+    if "--policies" in args:
+        base = base[:-2]
+    res = _cli(*base, *args)
+    assert res.exit_code == 2 and needle in res.output, (args, res.exit_code, res.output, res.exception)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"t": NaN, "prompt_tokens": 8, "output_tokens": 2}', "finite"),
+    ('{"t": Infinity, "prompt_tokens": 8, "output_tokens": 2}', "finite"),
+    ('{"t": 0, "prompt_tokens": 8, "output_tokens": 2, "api_server": -3}', "api_server"),
+])
+def test_simulate_refuses_a_trace_line_it_cannot_replay(tmp_path, text, needle):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(text + "\n")
+    res = _cli("simulate", "--ranks", "2", "--policies", "least_score", "--trace", str(trace))
+    assert res.exit_code == 2 and needle in res.output and "t.jsonl:1" in res.output, res.output
+
+
+def test_simulate_says_when_it_cut_a_trace_to_fit(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"t": 0, "prompt_tokens": 100000, "output_tokens": 5}\n{"t": 0.1, "prompt_tokens": 8, "output_tokens": 2}\n')
+    res = _cli("simulate", "--ranks", "2", "--policies", "least_score", "--trace", str(trace), "--json")
+    assert res.exit_code == 0, res.output
+    assert "1 of 2 requests" in res.stderr and "max_model_len" in res.stderr
+    assert json.loads(res.stdout)["config"]["trace"]["clipped_requests"] == 1
+
+
+@pytest.mark.parametrize("doc, needle", [
+    ('{"fixed_ms": "x"}', "fixed_ms='x'"), ('{"token_ms": -5}', "token_ms=-5"), ("nope", "not JSON"),
+    ('[1]', "JSON object"),
+])
+def test_simulate_refuses_a_cost_model_that_is_no_device(tmp_path, doc, needle):
+    # a string crashed mid-run; a negative cost ran, with negative step times in the report
+    cm = tmp_path / "cm.json"
+    cm.write_text(doc)
+    res = _cli("simulate", "--ranks", "2", "--requests", "5", "--policies", "least_score", "--cost-model", str(cm))
+    assert res.exit_code == 2 and needle in res.output and "cm.json" in res.output, res.output
 
 
 # ---------------------------------------------------------------------------- the rest

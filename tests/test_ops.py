@@ -163,6 +163,11 @@ def test_drain_keeps_new_work_off_a_rank_that_finishes_its_own(cluster, client):
 
     waited = cli_json(cluster, "drain", "1", "--wait", "--timeout", "20")
     assert waited["idle"] and not waited["changed"]
+    # Draining the last rank that takes work is refused: with every rank drained the
+    # scheduler places on all of them again, so it was accepted and did nothing.
+    last = cluster.cli("drain", "0")
+    assert last.returncode == 2 and "last rank taking new work" in last.stderr, last.stderr
+    assert cli_json(cluster, "drain", "1")["drained_ranks"] == [1]
 
     res = cli_json(cluster, "resume", "1")
     assert res["drained_ranks"] == [] and res["changed"]

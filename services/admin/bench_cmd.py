@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from redis.exceptions import RedisError
 
 from services.admin.bench_render import render
 from services.admin.bench_run import run_bench
@@ -128,6 +129,10 @@ def bench(
                                                               "throughput_tok_s")} if probe else None)
     except (ValueError, OSError) as exc:
         fail(str(exc))
+    except RedisError as exc:   # the step stats are read there: a clear error, not a traceback
+        from shared.bus import redact_url
+        fail(f"cannot read the step stats from Redis at {redact_url(rurl or '')}: {exc.__class__.__name__}: {exc} "
+             "(fix --redis-url / LOCKSTEP_REDIS_URL, or drop it for client-side measures only)")
     if as_json:
         typer.echo(json.dumps(doc))
     else:

@@ -24,6 +24,13 @@ async def set_drained(r: Any, keys: K.Keys, rank: int, drained: bool) -> dict[st
     if n is not None and not 0 <= rank < n:
         return {"error": f"rank {rank} is not in this cluster (ranks 0..{n - 1})"}
     if drained:
+        others = {int(x) for x in await r.smembers(keys.drained)} - {rank}
+        if n is not None and len(others) >= n - 1:
+            # the scheduler places on every rank when none is left undrained
+            # (services/scheduler/membership.py), so this drain would change nothing
+            return {"error": f"rank {rank} is the last rank taking new work (drained: {sorted(others)}); with "
+                             "every rank drained the scheduler places on all of them again. Resume one first "
+                             "(lockstep resume RANK), or stop the cluster"}
         changed = await r.sadd(keys.drained, rank)
     else:
         changed = await r.srem(keys.drained, rank)

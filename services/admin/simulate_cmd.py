@@ -7,6 +7,7 @@ Wire it with ``register(app)``; ``python -m services.simulator`` runs the same c
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -51,7 +52,7 @@ def simulate(
     param: list[str] = typer.Option([], "--param", help="Policy constructor argument, POLICY.KEY=VALUE (repeatable)."),
     profile: str = typer.Option("default", "--profile", help="Engine limits + step-time model: a bundled name (default, deepseek-v3-gb200, small-cpu) or a JSON file."),
     dispatch: Optional[str] = typer.Option(None, "--dispatch", help="Deployment for every system: 'scheduler' (one dispatcher, fresh view) or 'client' (every api-server decides). Default: each system's own."),
-    view_interval_ms: float = typer.Option(100.0, "--view-interval-ms", help="With --dispatch client: how often the api-servers' load view is published."),
+    view_interval_ms: float = typer.Option(100.0, "--view-interval-ms", min=0.0, help="With --dispatch client: how often the api-servers' load view is published."),
     sweep: Optional[str] = typer.Option(None, "--sweep", help="Comma list of load fractions of the group's capacity (e.g. 0.3,0.5,0.8,1.0,1.2,1.5): one run each; --rate is ignored."),
 ) -> None:
     """Simulate lockstep's policies and the peers' baselines on one trace."""
@@ -73,6 +74,10 @@ def simulate(
         refusal = "--sweep sets the rate at each load (a fraction of the measured capacity); drop --rate"
     elif "rate" in given and workload in ("offline", "blog"):
         refusal = f"--workload {workload} sends every request at once: it has no rate for --rate to set; drop --rate"
+    elif not policies.replace(",", "").strip():
+        refusal = "--policies names none; give a comma list of policies, or 'all'"
+    elif plot is not None and not plot.parent.is_dir():
+        refusal = f"--plot {plot}: no directory {plot.parent} to write it in (it is written after the run)"
     if refusal:
         typer.echo(f"error: {refusal}", err=True)
         raise typer.Exit(2)
@@ -94,6 +99,11 @@ def simulate(
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+    clipped = doc["config"]["trace"].get("clipped_requests")
+    if clipped:
+        typer.echo(f"warning: {clipped} of {len(results[0].arrival) if results else '?'} requests of the trace do not "
+                   f"fit the profile's max_model_len ({doc['config']['sim']['engine']['max_model_len']}): their "
+                   "lengths were cut to fit (the live api-servers refuse such requests)", err=True)
     if plot is not None:
         from services.simulator.plot import plot_results
         plot_results(results, doc, plot)
@@ -116,9 +126,12 @@ def simulate(
 def _sweep(fractions: str, as_json: bool, plot: Optional[Path], **kw: Any) -> None:
     from services.simulator.sweep import load_sweep, sweep_table
     try:
-        fr = [float(x) for x in fractions.split(",") if x.strip()]
-        if not fr or any(f <= 0 for f in fr):
-            raise ValueError("--sweep needs positive load fractions, e.g. 0.5,1.0,1.5")
+        try:
+            fr = [float(x) for x in fractions.split(",") if x.strip()]
+        except ValueError:
+            fr = []
+        if not fr or any(not (0 < f < math.inf) for f in fr):   # (NaN compares false)
+            raise ValueError(f"--sweep {fractions!r}: give positive, finite load fractions, e.g. 0.5,1.0,1.5")
         doc = load_sweep(fr, progress=sys.stderr.isatty(), **kw)
     except (ValueError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -50,11 +50,16 @@ def load(name_or_path: str | Path | None = None) -> Profile:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: cannot read profile ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a profile is a JSON object with 'engine' and 'cost'")
     eng, cost = doc.get("engine", {}), doc.get("cost", {})
-    for what, fields, got in (("engine", EngineConfig.__dataclass_fields__, eng),
-                              ("cost", CostModel.__dataclass_fields__, cost)):
-        unknown = set(got) - set(fields)
-        if unknown:
-            raise ValueError(f"{path}: unknown {what} fields {sorted(unknown)}; known: {sorted(fields)}")
+    fields = EngineConfig.__dataclass_fields__
+    if not isinstance(eng, dict) or set(eng) - set(fields):
+        raise ValueError(f"{path}: unknown engine fields {sorted(set(eng) - set(fields)) if isinstance(eng, dict) else eng!r}; "
+                         f"known: {sorted(fields)}")
+    bad = [k for k, v in eng.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad:
+        raise ValueError(f"{path}: engine {', '.join(f'{k}={eng[k]!r}' for k in bad)}: engine limits are integers >= 1")
     extra = {k: v for k, v in doc.items() if k not in ("name", "source", "engine", "cost")}
-    return Profile(doc.get("name", path.stem), doc.get("source", ""), EngineConfig(**eng), CostModel(**cost), extra)
+    return Profile(doc.get("name", path.stem), doc.get("source", ""), EngineConfig(**eng),
+                   CostModel.checked(cost, f"{path}: cost"), extra)

@@ -17,6 +17,7 @@ from shared.cost_model import CostModel
 from services.simulator import profile as profile_mod
 from services.simulator import report, workload
 from services.simulator.baselines import PolicySpec
+from services.engine_worker.step_budget import BudgetConfig
 from services.simulator.sim import RunResult, SimConfig, resolve_policies, run_ideal, run_policy
 
 
@@ -30,13 +31,25 @@ def _with_params(spec: PolicySpec, params: dict[str, Any]) -> PolicySpec:
     if bud:
         if spec.step_budget is None:
             raise ValueError(f"{spec.name} runs without a step budget; budget.* params do not apply")
+        known = set(BudgetConfig.__dataclass_fields__) - {"max_tokens"}
+        if set(bud) - known:
+            raise ValueError(f"--param {spec.name}.budget.{sorted(set(bud) - known)[0]}: no such budget setting; "
+                             f"known: {', '.join(sorted(known))}")
         spec = dataclasses.replace(spec, step_budget={**spec.step_budget, **bud})
+        try:
+            BudgetConfig(max_tokens=2048, **spec.step_budget)   # checked now, not mid-run
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--param {spec.name}.budget.*: {exc}") from None
     if not params:
         return spec
     base = spec.factory
 
     def make(**kw: Any) -> Any:   # extra constructor arguments reach the policy unchanged
-        return base(**kw, **params)
+        try:
+            return base(**kw, **params)
+        except (TypeError, ValueError) as exc:   # an unknown key, a value of the wrong type
+            given = ", ".join(f"{spec.name}.{k}={v!r}" for k, v in params.items())
+            raise ValueError(f"--param {given}: {spec.name} cannot take it ({exc})") from None
     return dataclasses.replace(spec, factory=make)
 
 

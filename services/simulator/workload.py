@@ -63,6 +63,7 @@ class Trace:
     api: np.ndarray            # api-server index (int64)
     name: str = "trace"
     max_tokens: np.ndarray | None = None   # the client's cap (int64); None: max_model_len - prompt
+    clipped: int = 0           # requests whose lengths were cut to fit max_model_len (a replayed trace)
 
     def caps(self, max_model_len: int) -> np.ndarray:
         """The client's max_tokens of every request."""
@@ -84,6 +85,7 @@ class Trace:
             "duration_s": float(self.t[-1] - self.t[0]) if n else 0.0,
             "prompt_tokens_mean": float(self.prompt.mean()) if n else 0.0,
             "output_tokens_mean": float(self.output.mean()) if n else 0.0,
+            **({"clipped_requests": self.clipped} if self.clipped else {}),
         }
 
 
@@ -187,8 +189,8 @@ def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
         raise ValueError(f"unknown workload {kind!r}; choose one of: {', '.join(WORKLOADS)}")
     if n < 1:
         raise ValueError("requests must be >= 1")
-    if rate <= 0:
-        raise ValueError("rate must be > 0")
+    if not (rate > 0 and math.isfinite(rate)):   # (NaN compares false)
+        raise ValueError(f"rate must be a finite number > 0, not {rate!r}")
     rng = np.random.default_rng(seed)
     if kind == "onoff":
         t = _onoff_times(rng, n, rate)
@@ -245,8 +247,10 @@ def load_jsonl(path: str | Path, api_servers: int | None = 1, seed: int = 0,
             caps.append(int(d["max_tokens"]) if d.get("max_tokens") is not None else -1)
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{lineno}: bad trace line ({exc})") from None
-        if ps[-1] < 1 or os_[-1] < 1 or ts[-1] < 0:
-            raise ValueError(f"{path}:{lineno}: t must be >= 0 and token counts >= 1")
+        if ps[-1] < 1 or os_[-1] < 1 or not (math.isfinite(ts[-1]) and ts[-1] >= 0):
+            raise ValueError(f"{path}:{lineno}: t must be a finite number >= 0 and token counts >= 1")
+        if "api_server" in d and apis[-1] < 0:
+            raise ValueError(f"{path}:{lineno}: api_server must be >= 0 (or left out: spread at random)")
     if not ts:
         raise ValueError(f"{path}: empty trace")
     t = np.asarray(ts)
@@ -257,12 +261,14 @@ def load_jsonl(path: str | Path, api_servers: int | None = 1, seed: int = 0,
     api[missing] = rng.integers(0, max(1, api_servers or 1), int(missing.sum()))
     if api_servers is not None and (api >= api_servers).any():
         raise ValueError(f"{path}: api_server index >= --api-servers ({api_servers})")
-    prompt, output = _clip(np.asarray(ps, dtype=np.int64), np.asarray(os_, dtype=np.int64), max_model_len)
+    p0, o0 = np.asarray(ps, dtype=np.int64), np.asarray(os_, dtype=np.int64)
+    prompt, output = _clip(p0, o0, max_model_len)
     cap = np.asarray(caps, dtype=np.int64)
     cap = np.where(cap > 0, np.minimum(cap, max_model_len - prompt), max_model_len - prompt)
     output = np.minimum(output, np.maximum(1, cap))
+    clipped = int(((prompt != p0) | (output < np.minimum(o0, np.where(np.asarray(caps) > 0, caps, o0)))).sum())
     return Trace(t=t[order], prompt=prompt[order], output=output[order], api=api[order],
-                 name=Path(path).name, max_tokens=np.maximum(1, cap)[order])
+                 name=Path(path).name, max_tokens=np.maximum(1, cap)[order], clipped=clipped)
 
 
 def dump_jsonl(trace: Trace, path: str | Path) -> None:
