@@ -99,6 +99,13 @@ class LocalCluster(Supervisor):
             raise
         asyncio.run(self._prepare_redis())
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # Recorded before anything serves: the API answers a few seconds before every spare
+        # is up, and the admin commands (status, bench) find the cluster by this record
+        # (stop() removes it, on a failed start too).
+        local_state.write(o.namespace, {
+            "redis_url": self.url, "pid": os.getpid(), "namespace": o.namespace,
+            "api_url": self.api_url, "port": o.port, "ranks": o.ranks, "api_servers": o.api_servers,
+            "log_dir": str(self.log_dir), "started": time.time()})
         env = self._env()
         # Metrics only if asked: LOCKSTEP_METRICS_PORT=N gives the scheduler N and rank i N+1+i.
         mport = int(env.pop("LOCKSTEP_METRICS_PORT", "") or 0)
@@ -116,10 +123,6 @@ class LocalCluster(Supervisor):
         for i in range(o.api_servers):
             self._spawn(f"api-{i}", ["api-server"], {**env, "LOCKSTEP_API_ID": f"api{i}"})
         self._wait_ready()
-        local_state.write(o.namespace, {
-            "redis_url": self.url, "pid": os.getpid(), "namespace": o.namespace,
-            "api_url": self.api_url, "port": o.port, "ranks": o.ranks, "api_servers": o.api_servers,
-            "log_dir": str(self.log_dir), "started": time.time()})
 
     @property
     def base_url(self) -> str:
