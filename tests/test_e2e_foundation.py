@@ -252,6 +252,10 @@ def test_status_json(sim_cluster):
     assert all(r["alive"] and r["pid"] > 0 for r in data["ranks"])
     assert data["scheduler"]["leader"]
     assert data["scheduler"]["counters"].get("dispatched", 0) >= 0
+    # Piped, the table keeps its columns whole (rich's 80 columns cut them to "wait…", "runni…")
+    table = sim_cluster.cli("status")
+    assert table.returncode == 0 and "waiting" in table.stdout and "running" in table.stdout, table.stdout
+    assert "…" not in table.stdout, table.stdout
 
 
 def test_unreachable_redis_is_one_clear_line(tmp_path):

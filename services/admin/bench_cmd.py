@@ -41,7 +41,7 @@ from redis.exceptions import RedisError
 
 from services.admin.bench_render import render
 from services.admin.bench_run import run_bench
-from services.admin.cmd_common import given as given_options
+from services.admin.cmd_common import console as out_console, given as given_options
 
 OFFLINE = ("offline", "blog")   # generated all at once: the rate does not apply
 DEFAULT_REQUESTS = 100
@@ -136,9 +136,8 @@ def bench(
     if as_json:
         typer.echo(json.dumps(doc))
     else:
-        from rich.console import Console
 
-        Console().print(render(doc))
+        out_console().print(render(doc))
         for e in doc.get("errors", ()):
             typer.echo(f"error: {e}", err=True)
     if doc.get("error"):

@@ -11,7 +11,7 @@ import orjson
 import typer
 
 from services.admin import local_state
-from services.admin.cmd_common import log_level_known
+from services.admin.cmd_common import console as out_console, log_level_known
 from shared.policy.registry import DEFAULT_POLICY, PURPOSE, policy_names
 
 app = typer.Typer(
@@ -152,8 +152,7 @@ def status(namespace: str = NS_OPT, redis_url: Optional[str] = URL_OPT,
     if json:
         typer.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return
-    from rich.console import Console
-    Console().print(render(data))
+    out_console().print(render(data))
 
 
 # ---------------------------------------------------------------------- services

@@ -18,6 +18,18 @@ URL_OPT = typer.Option(None, "--redis-url", help="Redis URL (default: LOCKSTEP_R
 JSON_OPT = typer.Option(False, "--json", help="Machine-readable JSON instead of tables.")
 
 
+PIPED_WIDTH = 160   # a table written to a file or a pipe: wide enough that no column is cut
+
+
+def console() -> Any:
+    """A rich Console for a command's tables: the terminal's width, or ``PIPED_WIDTH``
+    where stdout is not a terminal (rich's 80 columns cut headers and values there)."""
+    import sys
+
+    from rich.console import Console
+    return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
+
+
 def fail(msg: str, code: int = 1) -> None:
     typer.secho(f"lockstep: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import typer
 
 from services.admin import local_state
-from services.admin.cmd_common import JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, fail, resolve, with_redis
+from services.admin.cmd_common import console as out_console, JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, fail, resolve, with_redis
 from shared import keys as K
 
 # What `lockstep up` writes into <ns>:cluster and passes to every service as LOCKSTEP_*.
@@ -81,10 +81,9 @@ def config_cmd(service: Optional[str] = typer.Option(None, "--service", "-s",
         emit_json({name: {k: v["value"] for k, v in fields.items()} for name, fields in cfg.items()}
                   | {"_sources": {name: {k: v["source"] for k, v in fields.items()} for name, fields in cfg.items()}})
         return
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = out_console()
     if not url:
         console.print(f"no running cluster found for namespace {namespace!r}: showing this environment's settings")
     for name, fields in cfg.items():

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import typer
 
-from services.admin.cmd_common import given as given_options
+from services.admin.cmd_common import console as out_console, given as given_options
 
 DEFAULT_RATE_PER_RANK = 3.0   # requests/s per rank when --rate is not given
 
@@ -110,10 +110,9 @@ def simulate(
     if as_json:
         typer.echo(json.dumps(doc, sort_keys=False))
         return
-    from rich.console import Console
     from services.simulator.report import rich_table
     c = doc["config"]
-    con = Console(width=None if sys.stdout.isatty() else 160)
+    con = out_console()
     con.print(rich_table(doc, title=(f"{c['ranks']} ranks x {c['api_servers']} api-servers, "
                                            f"{c['trace']['name']} {c['trace']['requests']} requests")))
     if "ideal" in doc:
@@ -142,8 +141,7 @@ def _sweep(fractions: str, as_json: bool, plot: Optional[Path], **kw: Any) -> No
     if as_json:
         typer.echo(json.dumps(doc, sort_keys=False))
         return
-    from rich.console import Console
-    con = Console(width=None if sys.stdout.isatty() else 160)
+    con = out_console()
     con.print(sweep_table(doc))
     if plot is not None:
         con.print(f"plot: {plot}")

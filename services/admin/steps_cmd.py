@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from services.admin.cmd_common import JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, resolve, with_redis
+from services.admin.cmd_common import console as out_console, JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, resolve, with_redis
 from shared import keys as K
 from shared.bus import decode_entries
 
@@ -53,7 +53,6 @@ def steps_cmd(count: int = typer.Option(10, "--count", "-c", min=1, max=20_000, 
         emit_json({"namespace": namespace, "steps": snaps if rank is None else [
             {**s, "ranks": {k: v for k, v in s["ranks"].items() if int(k) == rank}} for s in snaps]})
         return
-    from rich.console import Console
     from rich.table import Table
 
     if not snaps:
@@ -69,7 +68,7 @@ def steps_cmd(count: int = typer.Option(10, "--count", "-c", min=1, max=20_000, 
         t.add_row(str(row["wave"]), step, str(row["rank"]), str(row["scheduled"]), str(row["prefill"]),
                   str(row["decode"]), str(row["waiting"]), str(row["running"]), kv, "yes" if row["idle"] else "",
                   str(row["held"] or ""), f"{row['dur_ms']:.1f}")
-    Console().print(t)
+    out_console().print(t)
     if any(s.get("carried") for s in snaps):
         typer.echo("* carried: the rank missed that step's grace period; its row is its last report")
 

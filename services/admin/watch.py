@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import typer
 
-from services.admin.cmd_common import JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, resolve
+from services.admin.cmd_common import console as out_console, JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, resolve
 from services.admin.steps_cmd import read_steps
 from shared import keys as K
 from shared.bus import decode_entries, entry_id_key
@@ -198,10 +198,9 @@ def watch_cmd(interval: float = typer.Option(1.0, "--interval", "-i", min=0.1, h
     if json:
         emit_json(asyncio.run(collect_frame(url, namespace, window)))
         return
-    from rich.console import Console
     from rich.live import Live
 
-    console = Console()
+    console = out_console()
     if once:
         console.print(render_frame(asyncio.run(collect_frame(url, namespace, window))))
         return
