@@ -92,6 +92,18 @@ def test_steps_lists_finalized_steps_per_rank(cluster, client):
     assert all(set(s["ranks"]) == {"1"} for s in one["steps"])
     table = cluster.cli("steps", "-c", "2")
     assert table.returncode == 0 and "finalized steps" in table.stdout and "wave" in table.stdout
+    # a rank the cluster does not have was an empty table, as if it had no steps
+    missing = cluster.cli("steps", "-c", "2", "--rank", "7")
+    assert missing.returncode == 2 and "--rank 7" in missing.stderr and "ranks 0, 1" in missing.stderr
+
+
+def test_status_of_an_empty_namespace_says_there_is_no_cluster(cluster):
+    # it printed "? ranks (?), ? api-servers, policy ?" and an empty table, as if one ran there
+    env = {**os.environ, "LOCKSTEP_STATE_DIR": cluster.state_dir}
+    res = subprocess.run([sys.executable, "-m", "services.admin.cli", "status", "--namespace", "nobody-here",
+                          "--redis-url", cluster.redis_url], capture_output=True, text=True, timeout=30, env=env,
+                         cwd=ROOT)
+    assert res.returncode == 0 and "no cluster in namespace 'nobody-here'" in res.stdout, res.stdout
 
 
 # ------------------------------------------------------------------------- request

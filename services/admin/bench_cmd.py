@@ -54,9 +54,9 @@ def bench(
     redis_url: Optional[str] = typer.Option(None, "--redis-url",
                                             help="Redis URL for the step stats (default: LOCKSTEP_REDIS_URL, else the local cluster's)."),
     namespace: str = typer.Option("ls", "--namespace", "-n", envvar="LOCKSTEP_NAMESPACE", help="Key prefix of the cluster."),
-    workload: str = typer.Option("poisson", "--workload", help="poisson | bursty | onoff | heavy-tail | ramp | offline (the simulator's workloads)."),
+    workload: str = typer.Option("poisson", "--workload", help="poisson | bursty | onoff | heavy-tail | ramp | offline | blog (the simulator's workloads)."),
     requests: int = typer.Option(DEFAULT_REQUESTS, "--requests", min=1, help="Requests to generate."),
-    rate: float = typer.Option(DEFAULT_RATE, "--rate", min=0.0, help="Mean requests/s of the generated workload."),
+    rate: float = typer.Option(DEFAULT_RATE, "--rate", help="Mean requests/s of the generated workload (> 0)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated workload."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="JSONL trace: {t, prompt_tokens, output_tokens[, api_server]} per line."),
     load: Optional[float] = typer.Option(None, "--load", min=0.01,
@@ -78,8 +78,8 @@ def bench(
     from services.simulator.workload import WORKLOADS
     if workload not in WORKLOADS:
         fail(f"--workload must be one of {', '.join(WORKLOADS)}, not {workload!r}")
-    if trace is None and rate <= 0:
-        fail("--rate must be > 0")
+    if trace is None and not 0 < rate < float("inf"):   # (NaN compares false)
+        fail(f"--rate must be a finite number > 0, not {rate:g}")
     # Options another one makes moot are refused, not silently ignored.
     given = given_options(ctx, "workload", "requests", "rate")
     if trace is not None and given:

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from services.admin.cmd_common import console as out_console, JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, resolve, with_redis
+from services.admin.cmd_common import console as out_console, fail, JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, resolve, with_redis
 from shared import keys as K
 from shared.bus import decode_entries
 
@@ -49,6 +49,9 @@ def steps_cmd(count: int = typer.Option(10, "--count", "-c", min=1, max=20_000, 
     url = resolve(redis_url, namespace)
     keys = K.Keys(namespace)
     snaps = asyncio.run(with_redis(url, lambda r: read_steps(r, keys, count)))
+    seen = sorted({int(k) for s in snaps for k in s["ranks"]})
+    if rank is not None and seen and rank not in seen:
+        fail(f"--rank {rank}: no such rank in these steps (ranks {', '.join(map(str, seen))})", 2)
     if json:
         emit_json({"namespace": namespace, "steps": snaps if rank is None else [
             {**s, "ranks": {k: v for k, v in s["ranks"].items() if int(k) == rank}} for s in snaps]})

@@ -135,7 +135,7 @@ def fmt(key: str, v: Any) -> str:
 def rich_table(doc: dict[str, Any], title: str | None = None):
     from rich.table import Table
     table = Table(title=title, show_lines=False)
-    table.add_column("policy", style="bold")
+    table.add_column("policy", style="bold", no_wrap=True)   # names differ only at their ends
     table.add_column("deployment")
     for _, head, _ in COLUMNS:
         table.add_column(head, justify="right")
