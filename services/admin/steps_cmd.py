@@ -38,7 +38,8 @@ def steps_rows(snaps: list[dict[str, Any]], rank: int | None = None) -> list[dic
                 "rank_step": st.get("step"), "carried": r in carried, "scheduled": st.get("scheduled", 0),
                 "prefill": st.get("prefill", 0), "decode": st.get("decode", 0), "waiting": st.get("waiting", 0),
                 "running": st.get("running", 0), "kv_used": st.get("kv_used", 0), "kv_total": st.get("kv_total", 0),
-                "idle": bool(st.get("idle", False)), "held": st.get("held", 0), "dur_ms": st.get("dur_ms", 0.0)})
+                "idle": bool(st.get("idle", False)), "held": st.get("held", 0), "dur_ms": st.get("dur_ms", 0.0),
+                "pause": bool((st.get("extra") or {}).get("pause"))})
     return rows
 
 
@@ -70,7 +71,7 @@ def steps_cmd(count: int = typer.Option(10, "--count", "-c", min=1, max=20_000, 
         step = str(row["step"]) + ("*" if row["carried"] else "")
         t.add_row(str(row["wave"]), step, str(row["rank"]), str(row["scheduled"]), str(row["prefill"]),
                   str(row["decode"]), str(row["waiting"]), str(row["running"]), kv, "yes" if row["idle"] else "",
-                  str(row["held"] or ""), f"{row['dur_ms']:.1f}")
+                  str(row["held"] or ""), "pause" if row["pause"] else f"{row['dur_ms']:.1f}")
     out_console().print(t)
     if any(s.get("carried") for s in snaps):
         typer.echo("* carried: the rank missed that step's grace period; its row is its last report")
