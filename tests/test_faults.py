@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 
 import httpx
@@ -54,6 +55,54 @@ def test_redis_restart_services_recover(tmp_path):
         else:
             raise AssertionError(f"no successful request after the restart: {last_error!r}")
         assert cluster.proc.poll() is None, "a service died instead of reconnecting"
+    finally:
+        cluster.stop()
+        server.stop()
+
+
+def test_after_an_empty_redis_restart_live_ranks_keep_their_work_and_a_dead_one_is_replaced(tmp_path):
+    """A Redis restarted empty loses the ranks' identities and the group's record. The
+    heartbeats write them again, the inbox consumer's name and the group's "has run" mark
+    included: without the first the scheduler took each live rank's consumer for a dead
+    incarnation's and resumed its requests on the other ranks every 2 s (each a
+    re-prefill); without the second no spare ever took a slot, so a rank that died after
+    the restart was never replaced and every request hung."""
+    import json
+
+    from shared.tokenizer import encode
+    from tests.helpers import poll_until, sim_expected_text
+
+    port = free_port()
+    server = EmbeddedRedis(port=port).start()
+    cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim",
+                            "--redis-url", server.url)
+    client = openai.OpenAI(base_url=cluster.api_url, api_key="x", max_retries=0, timeout=60)
+
+    def status() -> dict:
+        return json.loads(cluster.cli("status", "--json").stdout)
+
+    def served(prompt: str, n: int) -> bool:
+        try:
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, seed=1,
+                                          extra_body={"ignore_eos": True}, timeout=20)
+        except (openai.APIStatusError, openai.APITimeoutError, openai.APIConnectionError):
+            return False
+        assert r.choices[0].text == sim_expected_text(encode(prompt), n, seed=1)
+        return True
+    try:
+        assert served("before", 8)
+        server.stop()
+        server = EmbeddedRedis(port=port).start()   # a new, empty server on the same address
+        poll_until(lambda: served("after", 8), 60, "a request served after the restart")
+        resumed = status()["scheduler"]["counters"].get("resumed", 0)
+        assert served("a long one", 600)           # several orphan scans long (ORPHAN_SCAN_S)
+        assert status()["scheduler"]["counters"].get("resumed", 0) == resumed   # nothing of a live rank
+        victim = status()["ranks"][1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        poll_until(lambda: (st := status())["ranks"][1]["alive"] and st["ranks"][1]["pid"] != victim, 60,
+                   "a spare took the dead rank's slot")
+        assert served("replaced", 16)
+        assert cluster.proc.poll() is None
     finally:
         cluster.stop()
         server.stop()

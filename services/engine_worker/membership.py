@@ -58,6 +58,8 @@ class GroupMembership:
         self.group: LockstepGroup | None = None
         self.stepping = False                   # the step loop runs (liveness then follows its progress)
         self.progress_t: float | None = None    # monotonic time of the step loop's last round
+        self.consumer = ""                      # this incarnation's inbox consumer (prepare_streams)
+        self.ran = False                        # rank 0: the group formed under it (dist's "ran")
 
     async def claim_rank(self) -> int:
         """Take a rank slot with SET NX PX: the first free one, or the one asked for; it
@@ -173,8 +175,16 @@ class GroupMembership:
                     pipe = client.pipeline(transaction=False)
                     if stalled is None:
                         lease.renew(pipe, alive_key, self.token, ttl)
-                    # Identity too, so a restarted (empty) Redis learns it again within a beat.
-                    pipe.hset(info_key, mapping={**identity, "stalled_s": round(stalled or 0.0, 1)})
+                    # Identity too, so a restarted (empty) Redis learns it again within a beat:
+                    # the consumer name above all (without it the scheduler took this live
+                    # rank's inbox consumer for a dead one's, and resumed its requests elsewhere)
+                    pipe.hset(info_key, mapping={**identity, "stalled_s": round(stalled or 0.0, 1),
+                                                 **({"consumer": self.consumer} if self.consumer else {})})
+                    if self.ran:
+                        # ... and that the group has run (rank 0): a spare takes a free slot
+                        # only then, so without it a rank that died after the restart was
+                        # never replaced and the group waited for it until it gave up
+                        pipe.hset(self.keys.dist, "ran", 1)
                     res = pipe.execute()
                     if stalled is not None:
                         log.error("rank_stalled", stalled_s=round(stalled, 1), bound_s=self._stall_bound_s())
@@ -214,6 +224,7 @@ class GroupMembership:
         last = await self.r.xrevrange(self.keys.wave, count=1)
         if last:
             wave_last = last[0][0]
+        self.consumer = consumer
         await self.r.hset(self.keys.rank_info(self.rank), mapping={
             "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend,
             "started": time.time(), "token": self.token, "consumer": consumer,
@@ -257,8 +268,10 @@ class GroupMembership:
         self.group = group
         if self.rank == 0:
             # formed: this generation (reset by the next rendezvous); ran: the group has
-            # run at least once, so its free slots are a spare's to take (kept across them).
+            # run at least once, so its free slots are a spare's to take (kept across them,
+            # and renewed by the heartbeat: start_liveness).
             await self.r.hset(self.keys.dist, mapping={"formed": 1, "ran": 1})
+            self.ran = True
         self.log.info("engine_group_formed", gen=self.gen, world=self.s.ranks)
 
     async def _adopt_group_counters(self, group: LockstepGroup) -> None:

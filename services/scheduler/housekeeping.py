@@ -73,7 +73,9 @@ async def recover_orphans(r: Redis, keys: K.Keys, ranks: list[int], live: set[in
                 if int(c.get("pending", 0)):
                     await _resume_pending(r, keys, inbox, RECOVERY_CONSUMER, by_api)
                 continue
-            if alive and live_consumer is not None and name == live_consumer.decode():
+            if alive and (live_consumer is None or name == live_consumer.decode()):
+                # the live incarnation's own, or (its identity not written yet: a Redis
+                # restarted empty, a rank starting) possibly: never resumed from under it
                 continue
             if int(c.get("pending", 0)):
                 await _resume_pending(r, keys, inbox, name, by_api)
