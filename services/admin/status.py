@@ -49,6 +49,10 @@ async def collect(url: str, namespace: str) -> dict[str, Any]:
             "inbox_len": inbox_len if isinstance(inbox_len, int) else 0,
             "last_step_age_s": round(time.time() - stats["t"], 3) if stats.get("t") else None,
         })
+    if "backend" not in cluster:   # a record written again after an empty restart (the scheduler's) lacks it
+        known = sorted({r["backend"] for r in ranks if r["backend"]})
+        if known:
+            cluster["backend"] = "/".join(known)
     leader, sched, snap, req_len, drained = res[n * 4:]
     sched = {a.decode(): b.decode() for a, b in sched.items()} if isinstance(sched, dict) else {}
     counters = orjson.loads(sched.pop("counters")) if "counters" in sched else {}
