@@ -10,11 +10,12 @@ from typing import Any
 def step_measures(rows: list[dict[str, Any]], num_ranks: int, t_from: float, t_to: float) -> dict[str, Any]:
     """Balance ratio, idle-forward fraction and step facts from RankStats dicts."""
     from shared.measures import balance_ratio, idle_forward_fraction, percentile
+    from shared.stats import is_pause_report
 
     steps: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
     for d in rows:
         t = float(d.get("t", 0.0))
-        if t < t_from or t > t_to or (d.get("extra") or {}).get("pause"):
+        if t < t_from or t > t_to or is_pause_report(d):
             continue   # a pause's report is the ranks' load, not a step
         steps.setdefault((int(d["wave"]), int(d["step"])), {})[int(d["rank"])] = d
     n = max([num_ranks, *(r + 1 for s in steps.values() for r in s)]) if steps else num_ranks

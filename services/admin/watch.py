@@ -85,7 +85,9 @@ def _round(v: float | None, nd: int) -> float | None:
 def measures_of(snaps: list[dict[str, Any]], window_s: float) -> dict[str, Any]:
     """Balance ratio, idle fraction, step rate and per-rank means over the window's steps."""
     from shared.measures import balance_ratio, idle_forward_fraction
+    from shared.stats import is_pause_report
 
+    snaps = [s for s in snaps if not all(is_pause_report(st) for st in s["ranks"].values())]   # steps only
     ranks = sorted({int(r) for s in snaps for r in s["ranks"]})
     col = {r: i for i, r in enumerate(ranks)}
     sched = [[0] * len(ranks) for _ in snaps]

@@ -17,7 +17,7 @@ from shared import trace
 from shared.bus import Recorder
 from shared.messages import FIELD, Delta, encode, encode_deltas
 from shared.settings import EngineSettings
-from shared.stats import RankStats
+from shared.stats import RankStats, is_pause_report
 
 
 class Outputs:
@@ -93,8 +93,11 @@ class Outputs:
         pipe.hset(step_key, str(stats.rank), blob)
         pipe.expire(step_key, K.STEP_HASH_TTL_S)
         pipe.xadd(self.keys.stats, {FIELD: blob}, maxlen=K.STATS_STREAM_MAXLEN, approximate=True)
-        pipe.hset(self.keys.rank_info(stats.rank), mapping={"stats": blob, "idle_forwards": self.state.idle_forwards,
-                                                           "wave": stats.wave, "step": stats.step})
+        if is_pause_report(stats.extra):   # the load only: the info's wave and step count the steps run
+            pipe.hset(self.keys.rank_info(stats.rank), "stats", blob)
+        else:
+            pipe.hset(self.keys.rank_info(stats.rank), mapping={"stats": blob, "idle_forwards": self.state.idle_forwards,
+                                                               "wave": stats.wave, "step": stats.step})
 
     def write(self, pipe: Any, outputs: list[Any], now: float) -> int:
         """Queue deltas (one stream entry per api-server), request records and acks."""

@@ -42,6 +42,7 @@ import redis.asyncio as aioredis
 
 from shared.bus import connect
 from shared.keys import Keys
+from shared.stats import is_pause_report
 from shared.measures import balance_ratio, idle_forward_fraction
 from shared.messages import FIELD
 from shared.redis_server import free_port
@@ -127,7 +128,7 @@ async def drive(url: str, redis_url: str, namespace: str, ranks: int, concurrenc
         end = await _mark(r, keys)
         entries = await r.xrange(keys.stats, min=start, max=end)
         stats = [orjson.loads(f[FIELD]) for eid, f in entries if eid != start]
-        stats = [d for d in stats if not (d.get("extra") or {}).get("pause")]   # a pause's report is not a step
+        stats = [d for d in stats if not is_pause_report(d)]   # a pause's report is not a step
         return stats, {"completed": done[0] - done0[0], "errors": done[1] - done0[1]}
     finally:
         stop.set()
