@@ -59,18 +59,18 @@ class CostModel:
         return cls.checked(data, str(path))
 
     @classmethod
-    def checked(cls, data: Any, where: str) -> "CostModel":
+    def checked(cls, data: Any, where: str, what: str = "cost-model") -> "CostModel":
         """From a JSON object (a ``--cost-model`` file, a profile's ``cost``), refusing what
         is no model of a device: unknown fields, and values that are not finite ms >= 0."""
         if not isinstance(data, dict):
             raise ValueError(f"{where}: a cost model is a JSON object of {sorted(cls.__dataclass_fields__)}")
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"{where}: unknown cost-model fields {sorted(unknown)}; "
+            raise ValueError(f"{where}: unknown {what} fields {sorted(unknown)}; "
                              f"known: {sorted(cls.__dataclass_fields__)}")
         bad = [k for k, v in data.items()
                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0]
         if bad:
-            raise ValueError(f"{where}: {', '.join(f'{k}={data[k]!r}' for k in bad)}: every cost-model field "
+            raise ValueError(f"{where}: {', '.join(f'{k}={data[k]!r}' for k in bad)}: every {what} field "
                              "is a finite number of milliseconds >= 0")
         return cls(**{k: float(v) for k, v in data.items()})

@@ -62,4 +62,4 @@ def load(name_or_path: str | Path | None = None) -> Profile:
         raise ValueError(f"{path}: engine {', '.join(f'{k}={eng[k]!r}' for k in bad)}: engine limits are integers >= 1")
     extra = {k: v for k, v in doc.items() if k not in ("name", "source", "engine", "cost")}
     return Profile(doc.get("name", path.stem), doc.get("source", ""), EngineConfig(**eng),
-                   CostModel.checked(cost, f"{path}: cost"), extra)
+                   CostModel.checked(cost, str(path), what="cost"), extra)
