@@ -249,6 +249,7 @@ def test_status_json(sim_cluster):
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    assert data["cluster"]["ranks"] == 2 and data["cluster"]["policy"] == "waterfill"   # numbers as numbers
     assert all(r["alive"] and r["pid"] > 0 for r in data["ranks"])
     assert data["scheduler"]["leader"]
     assert data["scheduler"]["counters"].get("dispatched", 0) >= 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -11,11 +12,25 @@ from shared import keys as K
 from shared.bus import connect, redact_url
 
 
+def _number(v: str) -> Any:
+    """A Redis hash value as JSON has it: a number where it is one (``ranks``, ``port``,
+    ``started``), else the string."""
+    try:
+        return int(v)
+    except ValueError:
+        pass
+    try:
+        f = float(v)
+    except ValueError:
+        return v
+    return f if math.isfinite(f) else v
+
+
 async def collect(url: str, namespace: str) -> dict[str, Any]:
     k = K.Keys(namespace)
     r = connect(url, timeout_s=5.0)
     try:
-        cluster = {key.decode(): val.decode() for key, val in (await r.hgetall(k.cluster)).items()}
+        cluster = {key.decode(): _number(val.decode()) for key, val in (await r.hgetall(k.cluster)).items()}
         n = int(cluster.get("ranks", 0))
         pipe = r.pipeline(transaction=False)
         for i in range(n):
