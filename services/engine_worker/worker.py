@@ -139,7 +139,7 @@ class EngineWorker:
                 # what this rank held stays pending in its inbox for the scheduler to resume.
                 self.log.error("engine_stopped_without_redis", error=str(exc)[:200],
                                grace_s=STOPPING_REDIS_GRACE_S)
-                return 5
+                return 6
             return 0
         finally:
             watcher.cancel()
