@@ -54,8 +54,7 @@ def is_pause_report(d: Any) -> bool:
     """A rank's report (as a dict) of the step at which its group paused: its load, and
     nothing computed (engine_worker/outputs.py ``flush``). No step ran: step counts and
     step times leave it out."""
-    extra = d if "pause" in d else d.get("extra")   # a report, or its ``extra``
-    return bool((extra or {}).get("pause"))
+    return bool((d.get("extra") or {}).get("pause"))
 
 
 class Snapshot(Struct):

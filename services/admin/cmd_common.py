@@ -5,6 +5,7 @@ decoding Redis replies for display."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 import orjson
@@ -24,8 +25,6 @@ PIPED_WIDTH = 160   # a table written to a file or a pipe: wide enough that no c
 def console() -> Any:
     """A rich Console for a command's tables: the terminal's width, or ``PIPED_WIDTH``
     where stdout is not a terminal (rich's 80 columns cut headers and values there)."""
-    import sys
-
     from rich.console import Console
     return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
 

@@ -101,7 +101,7 @@ def simulate(
         raise typer.Exit(2) from None
     clipped = doc["config"]["trace"].get("clipped_requests")
     if clipped:
-        typer.echo(f"warning: {clipped} of {len(results[0].arrival) if results else '?'} requests of the trace do not "
+        typer.echo(f"warning: {clipped} of {doc['config']['trace']['requests']} requests of the trace do not "
                    f"fit the profile's max_model_len ({doc['config']['sim']['engine']['max_model_len']}): their "
                    "lengths were cut to fit (the live api-servers refuse such requests)", err=True)
     if plot is not None:

@@ -236,16 +236,16 @@ def port_taken(host: str, port: int) -> str | None:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         return f"unknown host ({exc})"
-    for family, kind, proto, _, addr in infos[:1]:
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a closed one's TIME_WAIT is no owner
-            sock.bind(addr)
-            sock.listen(1)
-        except OSError as exc:
-            return exc.strerror or str(exc)
-        finally:
-            sock.close()
+    family, kind, proto, _, addr = infos[0]   # the address the api-servers bind (main.py)
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a closed one's TIME_WAIT is no owner
+        sock.bind(addr)
+        sock.listen(1)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        sock.close()
     return None
 
 

@@ -20,6 +20,15 @@ MAX_RETRY_AFTER_S = 60
 SHUTTING_DOWN = "this api-server is shutting down; retry the request (another replica, or this one once restarted)"
 
 
+def ran_out(gw: Any, timeout_s: float) -> tuple[str, ApiError]:
+    """Why a request's wait for its tokens ended before they did (the abort reason, and what
+    the client gets): this replica shutting down (503), or the request's own timeout (504);
+    both say to retry."""
+    if gw.closing:
+        return "shutdown", ApiError(503, SHUTTING_DOWN, code="shutting_down")
+    return "timeout", ApiError(504, f"no completion within {timeout_s:g}s; retry later")
+
+
 def admit(gw: Any, settings: Any, need: int = 1) -> None:
     """Raise the 429 for a request that needs ``need`` in-flight slots, if it must wait
     (the 503 of a replica that is shutting down)."""

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response, StreamingResponse
 
-from services.api_server.admission import SHUTTING_DOWN, admit
+from services.api_server.admission import admit, ran_out
 from services.api_server.errors import ApiError, error_response
 from services.api_server.gateway import Gateway, RequestChannel, client_policy
 from services.api_server.choice import feed as _feed, final, prompt_part, text_tokens as _text_tokens
@@ -318,13 +318,10 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                 try:
                     waiter.result()
                 except TimeoutError:
-                    if gw.closing:
-                        metrics.aborts.labels("shutdown").inc()
-                        gw.abort(rid, "shutdown")
-                        raise ApiError(503, SHUTTING_DOWN, code="shutting_down") from None
-                    metrics.aborts.labels("timeout").inc()
-                    gw.abort(rid, "timeout")
-                    raise ApiError(504, f"no completion within {settings.request_timeout_s:g}s; retry later") from None
+                    reason, err = ran_out(gw, settings.request_timeout_s)
+                    metrics.aborts.labels(reason).inc()
+                    gw.abort(rid, reason)
+                    raise err from None
         finally:
             disconnected.cancel()
             metrics.inflight.dec()
@@ -397,18 +394,12 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                 if ch.finish is None:
                     try:
                         await _wait(ch, gw.until(deadline))
-                    except TimeoutError:
-                        if gw.closing:   # the replica stops: say so, then end the stream cleanly
-                            metrics.aborts.labels("shutdown").inc()
-                            gw.abort(rid, "shutdown")
-                            finished = True
-                            yield _sse_error(503, SHUTTING_DOWN, code="shutting_down")
-                            yield b"data: [DONE]\n\n"
-                            return
-                        metrics.aborts.labels("timeout").inc()
-                        gw.abort(rid, "timeout")
+                    except TimeoutError:   # say why, then end the stream cleanly
+                        reason, err = ran_out(gw, settings.request_timeout_s)
+                        metrics.aborts.labels(reason).inc()
+                        gw.abort(rid, reason)
                         finished = True
-                        yield _sse_error(504, f"no completion within {settings.request_timeout_s:g}s")
+                        yield b"data: " + orjson.dumps(err.body()) + b"\n\n"
                         yield b"data: [DONE]\n\n"
                         return
                 if echo_due and (ch.tokens or ch.finish is not None):
@@ -482,8 +473,8 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
     return wrapped
 
 
-def _sse_error(status: int, message: str, code: str | None = None) -> bytes:
-    return b"data: " + orjson.dumps(ApiError(status, message, code=code).body()) + b"\n\n"
+def _sse_error(status: int, message: str) -> bytes:
+    return b"data: " + orjson.dumps(ApiError(status, message).body()) + b"\n\n"
 
 
 async def _client_gone(request: HttpRequest) -> None:

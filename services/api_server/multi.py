@@ -21,7 +21,7 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 
 from services.api_server.choice import StreamChoice, final
-from services.api_server.admission import SHUTTING_DOWN, admit
+from services.api_server.admission import admit, ran_out
 from services.api_server.errors import ApiError
 from services.api_server.gateway import Gateway, RequestChannel
 from services.api_server.protocol import ParsedRequest
@@ -152,13 +152,9 @@ async def _complete(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway
                 try:
                     waiter.result()
                 except TimeoutError:
-                    if gw.closing:
-                        metrics.aborts.labels("shutdown").inc()
-                        reason = "shutdown"
-                        raise ApiError(503, SHUTTING_DOWN, code="shutting_down") from None
-                    metrics.aborts.labels("timeout").inc()
-                    reason = "timeout"
-                    raise ApiError(504, f"no completion within {settings.request_timeout_s:g}s; retry later") from None
+                    reason, err = ran_out(gw, settings.request_timeout_s)
+                    metrics.aborts.labels(reason).inc()
+                    raise err from None
     finally:
         disconnected.cancel()
         metrics.inflight.dec()
@@ -231,17 +227,10 @@ async def _sse(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway, rid
                 return
             try:
                 await _wait(event, gw.until(deadline))
-            except TimeoutError:
-                if gw.closing:   # the replica stops: say so, then end the stream cleanly
-                    metrics.aborts.labels("shutdown").inc()
-                    reason = "shutdown"
-                    yield b"data: " + orjson.dumps(ApiError(503, SHUTTING_DOWN, code="shutting_down").body()) + b"\n\n"
-                    yield b"data: [DONE]\n\n"
-                    return
-                metrics.aborts.labels("timeout").inc()
-                reason = "timeout"
-                yield b"data: " + orjson.dumps(ApiError(504, f"no completion within "
-                                                        f"{settings.request_timeout_s:g}s").body()) + b"\n\n"
+            except TimeoutError:   # say why, then end the stream cleanly
+                reason, err = ran_out(gw, settings.request_timeout_s)
+                metrics.aborts.labels(reason).inc()
+                yield b"data: " + orjson.dumps(err.body()) + b"\n\n"
                 yield b"data: [DONE]\n\n"
                 return
     finally:

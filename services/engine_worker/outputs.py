@@ -17,7 +17,7 @@ from shared import trace
 from shared.bus import Recorder
 from shared.messages import FIELD, Delta, encode, encode_deltas
 from shared.settings import EngineSettings
-from shared.stats import RankStats, is_pause_report
+from shared.stats import RankStats
 
 
 class Outputs:
@@ -51,22 +51,22 @@ class Outputs:
         if room:
             self.reader.take(results[-1])
 
-    async def flush(self, paused: bool = False, pausing: bool = False) -> None:
+    async def flush(self, pausing: bool = False) -> None:
         """Without a step: send what is pending (rejections, aborts, acks). ``pausing``: the
         group pauses at this (wave, step), and every rank reports its load for it (a step's
         stats with nothing computed, ``extra.pause``), so that the load view and ``lockstep
         status`` do not show work that went while no step ran (an abort, a rejection) for
-        the whole pause. ``paused`` (rank 0): record the wave the next wake starts, so that
-        the dispatch that ends the pause wakes every rank at once (shared/wake.py)."""
+        the whole pause; and rank 0 records the wave the next wake starts, so that the
+        dispatch that ends the pause wakes every rank at once (shared/wake.py)."""
         st = self.state
-        if st.early or st.aborted or st.acks or paused or pausing:
+        if st.early or st.aborted or st.acks or pausing:
             now = time.time()
             pipe = Recorder()
             self.write(pipe, [], now)
             if pausing:
-                self._report(pipe, self._stats(now, 0, 0.0, extra={"pause": True}))
-            if paused:
-                pipe.set(self.keys.paused, st.wave + 1 if pausing else st.wave)
+                self._report(pipe, self._stats(now, 0, 0.0, extra={"pause": True}), step=False)
+                if st.rank == 0:
+                    pipe.set(self.keys.paused, st.wave + 1)
             await self.reader.execute(pipe)
 
     def _stats(self, now: float, finished: int, dur_ms: float, scheduled: int = 0, prefill: int = 0,
@@ -86,14 +86,16 @@ class Outputs:
                    **(extra or {})},
             prefill_pending=pending)
 
-    def _report(self, pipe: Any, stats: RankStats) -> None:
-        """The stats of (stats.wave, stats.step): the step's hash, the stats stream, the rank's info."""
+    def _report(self, pipe: Any, stats: RankStats, step: bool = True) -> None:
+        """The stats of (stats.wave, stats.step): the step's hash, the stats stream, the
+        rank's info (``step=False``, a pause's: the load only; the info's wave and step
+        count the steps run)."""
         blob = encode(stats)
         step_key = self.keys.step_reports(stats.wave, stats.step)
         pipe.hset(step_key, str(stats.rank), blob)
         pipe.expire(step_key, K.STEP_HASH_TTL_S)
         pipe.xadd(self.keys.stats, {FIELD: blob}, maxlen=K.STATS_STREAM_MAXLEN, approximate=True)
-        if is_pause_report(stats.extra):   # the load only: the info's wave and step count the steps run
+        if not step:
             pipe.hset(self.keys.rank_info(stats.rank), "stats", blob)
         else:
             pipe.hset(self.keys.rank_info(stats.rank), mapping={"stats": blob, "idle_forwards": self.state.idle_forwards,

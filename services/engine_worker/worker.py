@@ -238,7 +238,7 @@ class EngineWorker:
                     await self._hold()
                 continue
             if action is Action.PAUSE:
-                await self.outputs.flush(paused=st.rank == 0, pausing=True)
+                await self.outputs.flush(pausing=True)
                 st.wave += 1
                 st.step = 0
                 await self.pauses.pause()

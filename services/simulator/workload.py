@@ -261,12 +261,12 @@ def load_jsonl(path: str | Path, api_servers: int | None = 1, seed: int = 0,
     api[missing] = rng.integers(0, max(1, api_servers or 1), int(missing.sum()))
     if api_servers is not None and (api >= api_servers).any():
         raise ValueError(f"{path}: api_server index >= --api-servers ({api_servers})")
-    p0, o0 = np.asarray(ps, dtype=np.int64), np.asarray(os_, dtype=np.int64)
+    p0, o0, own = (np.asarray(x, dtype=np.int64) for x in (ps, os_, caps))
     prompt, output = _clip(p0, o0, max_model_len)
-    cap = np.asarray(caps, dtype=np.int64)
-    cap = np.where(cap > 0, np.minimum(cap, max_model_len - prompt), max_model_len - prompt)
+    cap = np.where(own > 0, np.minimum(own, max_model_len - prompt), max_model_len - prompt)
     output = np.minimum(output, np.maximum(1, cap))
-    clipped = int(((prompt != p0) | (output < np.minimum(o0, np.where(np.asarray(caps) > 0, caps, o0)))).sum())
+    wanted = np.where(own > 0, np.minimum(o0, own), o0)   # the output the trace asks for, its own cap kept
+    clipped = int(((prompt != p0) | (output < wanted)).sum())
     return Trace(t=t[order], prompt=prompt[order], output=output[order], api=api[order],
                  name=Path(path).name, max_tokens=np.maximum(1, cap)[order], clipped=clipped)
 
