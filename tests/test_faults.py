@@ -118,6 +118,8 @@ def test_after_an_empty_redis_restart_live_ranks_keep_their_work_and_a_dead_one_
         finally:
             rc.close()
         resumes = len(events("resuming_requests_of_dead_ranks"))
+        # the cluster record written again (by the scheduler) has no backend: status takes the ranks'
+        assert status()["cluster"]["backend"] == "sim"
         assert served("a long one", 600)           # several orphan scans long (ORPHAN_SCAN_S)
         assert len(events("resuming_requests_of_dead_ranks")) == resumes   # nothing of a live rank resumed
         victim = status()["ranks"][1]["pid"]

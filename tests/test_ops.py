@@ -97,6 +97,15 @@ def test_steps_lists_finalized_steps_per_rank(cluster, client):
     assert missing.returncode == 2 and "--rank 7" in missing.stderr and "ranks 0, 1" in missing.stderr
 
 
+def test_steps_marks_the_step_at_which_the_group_paused():
+    from services.admin.steps_cmd import steps_rows
+    snap = {"wave": 3, "step": 7, "t": 0.0, "ranks": {
+        "0": {"step": 7, "scheduled": 0, "dur_ms": 0.0, "extra": {"pause": True}},
+        "1": {"step": 7, "scheduled": 12, "dur_ms": 9.5, "extra": {}}}}
+    rows = steps_rows([snap])
+    assert [r["pause"] for r in rows] == [True, False] and rows[1]["dur_ms"] == 9.5
+
+
 def test_status_of_an_empty_namespace_says_there_is_no_cluster(cluster):
     # it printed "? ranks (?), ? api-servers, policy ?" and an empty table, as if one ran there
     env = {**os.environ, "LOCKSTEP_STATE_DIR": cluster.state_dir}
