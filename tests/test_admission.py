@@ -14,12 +14,13 @@ from shared.policy.registry import make_policy
 from shared.stats import RankStats, Snapshot
 
 
-def _gw(wait, inflight=0):
-    return SimpleNamespace(queue_wait_s=wait, channels=dict.fromkeys(range(inflight)))
+def _gw(wait, inflight=0, no_rank_s=0.0):
+    return SimpleNamespace(queue_wait_s=wait, channels=dict.fromkeys(range(inflight)), keys=SimpleNamespace(ns="ls"),
+                           no_rank_for=lambda now: no_rank_s)
 
 
-def _settings(bound=10.0, inflight=100):
-    return SimpleNamespace(max_queue_wait_s=bound, max_inflight=inflight)
+def _settings(bound=10.0, inflight=100, no_rank=30.0):
+    return SimpleNamespace(max_queue_wait_s=bound, max_inflight=inflight, no_rank_timeout_s=no_rank)
 
 
 def test_a_queue_older_than_the_bound_is_refused_with_the_excess_as_retry_after():
@@ -37,6 +38,16 @@ def test_the_in_flight_bound_counts_every_choice_of_a_request():
     with pytest.raises(ApiError) as e:
         admit(_gw(0.0, inflight=98), _settings(), need=3)
     assert "needs 3 of 100" in e.value.message and e.value.headers == {"Retry-After": "1"}
+
+
+def test_no_live_rank_for_longer_than_the_timeout_is_a_503_that_says_so():
+    admit(_gw(0.0, no_rank_s=29.0), _settings())       # ranks may be restarting: wait for one
+    with pytest.raises(ApiError) as e:
+        admit(_gw(0.0, no_rank_s=31.0), _settings())
+    assert e.value.status == 503 and e.value.code == "no_live_rank"
+    assert "no engine rank of cluster 'ls' has been live for 31 s" in e.value.message
+    assert "lockstep status" in e.value.message and e.value.headers == {"Retry-After": "5"}
+    admit(_gw(0.0, no_rank_s=1e6), _settings(no_rank=0))   # 0: wait for a rank however long
 
 
 def test_retry_after_is_whole_seconds_between_one_and_a_minute():

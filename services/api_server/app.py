@@ -134,7 +134,8 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         r = connect(settings.redis_url)
         policy = client_policy(settings, api_id)
-        gw = Gateway(r, keys, api_id, dispatch=settings.dispatch, policy=policy, log=log, metrics=metrics)
+        gw = Gateway(r, keys, api_id, dispatch=settings.dispatch, policy=policy, log=log, metrics=metrics,
+                     no_rank_timeout_s=settings.no_rank_timeout_s)
         await gw.start()
         state["gw"], state["r"], state["loop"] = gw, r, asyncio.get_running_loop()
         log.info("api_server_ready", port=settings.port, dispatch=settings.dispatch, ranks=gw.num_ranks)
@@ -179,7 +180,8 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
             await asyncio.wait_for(state["r"].ping(), 1.0)
         except Exception:  # noqa: BLE001
             return _json({"status": "unhealthy", "redis": False, "api_id": api_id}, 503)
-        return _json({"status": "ok", "redis": True, "api_id": api_id, "inflight": len(gw.channels)})
+        return _json({"status": "ok", "redis": True, "api_id": api_id, "inflight": len(gw.channels),
+                      "ranks_live": gw.ranks_live})
 
     @app.get("/metrics")
     async def prom() -> Response:

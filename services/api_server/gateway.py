@@ -114,10 +114,16 @@ def client_policy(settings: Any, api_id: str) -> Any:
                        num_api_servers=settings.num_api_servers)
 
 
+def no_live_rank_message(for_s: float, namespace: str) -> str:
+    return (f"no engine rank of cluster {namespace!r} has been live for {for_s:.0f} s (they are down or still "
+            "starting; `lockstep status` shows them)")
+
+
 class Gateway:
     def __init__(self, r: Any, keys: K.Keys, api_id: str, *, dispatch: str = "scheduler",
-                 policy: Any = None, log: Any = None, metrics: Any = None) -> None:
+                 policy: Any = None, log: Any = None, metrics: Any = None, no_rank_timeout_s: float = 0.0) -> None:
         self.r, self.keys, self.api_id, self.log, self.metrics = r, keys, api_id, log, metrics
+        self.no_rank_timeout_s = no_rank_timeout_s   # 0: wait for a rank however long
         self.client_dispatch = dispatch == "client"
         if self.client_dispatch and policy is not None and not hasattr(policy, "choose"):
             # (Settings validation refuses this first; never answer every request with 500.)
@@ -134,6 +140,8 @@ class Gateway:
         self.redis_ok = True
         self.run_id = ""
         self.queue_wait_s: float | None = None   # the scheduler's queue, as of the last heartbeat
+        self.ranks_live: int | None = None        # ranks with a heartbeat, as of the last one (None: unknown)
+        self.no_rank_since: float | None = None   # monotonic: since when no rank has been live
 
     async def start(self) -> None:
         self.run_id = await server_run_id(self.r, self.keys.dataset)
@@ -342,18 +350,55 @@ class Gateway:
                 ch.fail("the cluster's Redis server restarted and lost this request")
 
     async def _heartbeat(self) -> None:
-        """Once a second, in one round trip: this replica's heartbeat, and how long the
-        scheduler's oldest unplaced request has waited (the admission bound's input)."""
+        """Once a second, in one round trip: this replica's heartbeat, how long the
+        scheduler's oldest unplaced request has waited (the admission bound's input), and
+        which ranks have a heartbeat (no live rank for long ends the requests waiting)."""
         while True:
             try:
                 pipe = self.r.pipeline(transaction=False)
                 pipe.set(self.keys.api_alive(self.api_id), str(time.time()), px=3000)
                 pipe.hmget(self.keys.snapshot, "queue_wait_ms", "queue_at")
-                _, (wait_ms, at) = await pipe.execute()
+                for rank in range(self.num_ranks):   # one key each: their slots differ on Redis Cluster
+                    pipe.exists(self.keys.rank_alive(rank))
+                _, (wait_ms, at), *alive = await pipe.execute()
                 self.queue_wait_s = queue_wait_s(wait_ms, at, time.time())
-            except Exception:  # noqa: BLE001
+                self.observe_ranks(sum(alive), time.monotonic())
+            except Exception:  # noqa: BLE001 - an outage: no figures (the requests fail on their own)
                 self.queue_wait_s = None
+                self.ranks_live = None
             await asyncio.sleep(HEARTBEAT_S)
+
+    def observe_ranks(self, live: int, now: float) -> None:
+        """``live`` ranks have a heartbeat at monotonic ``now``. Once none has had one for
+        ``no_rank_timeout_s``, the requests in flight cannot go on: each is aborted (a rank
+        that comes back must not run it for nobody) and ends with a clear, retryable error."""
+        self.ranks_live = live
+        if live:
+            if self.no_rank_since is not None and self.log is not None:
+                self.log.info("ranks_live_again", ranks_live=live, after_s=round(now - self.no_rank_since, 1))
+            self.no_rank_since = None
+            return
+        if self.no_rank_since is None:
+            self.no_rank_since = now
+            if self.log is not None:
+                self.log.warning("no_live_rank", ranks=self.num_ranks)
+        if not self.no_rank_timeout_s or now - self.no_rank_since <= self.no_rank_timeout_s:
+            return
+        waiting = [ch for ch in self.channels.values() if ch.finish is None]
+        if not waiting:
+            return
+        message = no_live_rank_message(now - self.no_rank_since, self.keys.ns)
+        for ch in waiting:
+            rank = self.rank_of.get(ch.id)
+            stream = self.keys.inbox(rank) if rank is not None else self.keys.requests
+            self._enqueue(stream, encode(Abort(ch.id, rank, "no_live_rank")), None)
+            ch.fail(message)
+        if self.log is not None:
+            self.log.error("requests_failed_no_live_rank", n=len(waiting), for_s=round(now - self.no_rank_since, 1))
+
+    def no_rank_for(self, now: float) -> float:
+        """Seconds (monotonic ``now``) that no rank has had a heartbeat; 0 while one has."""
+        return 0.0 if self.no_rank_since is None else now - self.no_rank_since
 
     async def _follow_snapshots(self) -> None:
         """Feed each published snapshot to this replica's policy (client dispatch) and to

@@ -1,0 +1,77 @@
+"""No engine rank live for longer than ``no_rank_timeout_s`` (every rank down, stalled, or
+never started): the requests in flight end with a 503 that says why and to retry, new ones
+get a 503 ``no_live_rank`` with Retry-After, and the rank that comes back does not run the
+abandoned request for nobody. Before, each request waited out ``request_timeout_s`` (600 s)
+with no word. Live: `lockstep up --backend sim`, the official openai client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import start_cluster
+from tests.helpers import poll_until
+
+pytestmark = pytest.mark.slow
+MODEL = "lockstep-moe"
+
+
+def _status(cluster) -> dict:
+    res = cluster.cli("status", "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+@pytest.mark.timeout(180)
+def test_no_live_rank_ends_the_wait_with_a_503_and_a_rank_back_serves_again(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCKSTEP_HEARTBEAT_MS", "200")        # the alive key lapses 0.6 s into a stall
+    monkeypatch.setenv("LOCKSTEP_NO_RANK_TIMEOUT_S", "2")
+    cluster = start_cluster(tmp_path, "--ranks", "1", "--spares", "0", "--api-servers", "1", "--backend", "sim",
+                            namespace="lnorank")
+    client = openai.OpenAI(base_url=cluster.api_url, api_key="unused", max_retries=0, timeout=60)
+    health = cluster.api_url.rsplit("/v1", 1)[0] + "/health"
+    stopped = None
+    try:
+        poll_until(lambda: httpx.get(health, timeout=5).json().get("ranks_live") == 1, 30, "the rank reads as live")
+        pid = _status(cluster)["ranks"][0]["pid"]
+        stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=3000, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert next(iter(stream)).choices[0].finish_reason is None
+        os.kill(pid, signal.SIGSTOP)                           # the only rank stalls: no rank is live
+        stopped = pid
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError) as err:
+            for chunk in stream:
+                assert chunk.choices[0].finish_reason is None  # 3,000 tokens: it cannot finish
+        message = str(err.value.message)
+        assert "no engine rank" in message and "retry" in message, message
+        assert time.monotonic() - t0 < 20                      # not request_timeout_s (600 s)
+        assert httpx.get(health, timeout=5).json()["ranks_live"] == 0
+
+        r = httpx.post(cluster.api_url + "/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "no_live_rank" and r.headers["retry-after"] == "5"
+
+        os.kill(pid, signal.SIGCONT)                           # back: requests are served again
+        stopped = None
+        poll_until(lambda: httpx.get(health, timeout=5).json().get("ranks_live") == 1, 30, "the rank is live again")
+        done = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 4
+        # The abandoned request was aborted: it does not run on for nobody.
+        poll_until(lambda: _status(cluster)["ranks"][0]["running"] == 0, 30, "the rank drops the abandoned request")
+        assert cluster.proc.poll() is None
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        cluster.stop()
+    text = "".join(p.read_text() for p in Path(cluster.state_dir).rglob("api-*.log"))
+    assert "requests_failed_no_live_rank" in text and "Traceback" not in text, text[-3000:]
