@@ -40,6 +40,7 @@ class Result:
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
     error: str = ""
+    status: int = 0             # the HTTP status (0: no response)
 
 
 async def stream_one(client: Any, base: str, model: str, it: Item, i: int) -> Result:
@@ -50,6 +51,7 @@ async def stream_one(client: Any, base: str, model: str, it: Item, i: int) -> Re
     last = 0.0
     try:
         async with client.stream("POST", base + "/completions", json=body) as resp:
+            res.status = resp.status_code
             if resp.status_code != 200:
                 raw = await resp.aread()
                 res.error = f"HTTP {resp.status_code}: {raw[:200].decode(errors='replace')}"

@@ -11,7 +11,9 @@ DESIGN §6 for that run.
   ``<ns>:req:<id>`` hashes. No step stats in the window (a wrong ``--namespace`` or
   Redis URL) is an error, not a perfect run: balance and idle fraction are null, the
   JSON document carries ``"error"``, a warning names what to check, and the exit status
-  is 1.
+  is 1. So is a run where a request failed (``"failed"``), other than one refused with a
+  429 by admission control (``"rejected"``, counted among the failed: a cluster above
+  capacity doing as designed).
 
 The trace is the simulator's (services/simulator/workload.py): ``--workload
 poisson|bursty|onoff|heavy-tail|ramp|offline`` generated from ``--requests/--rate/--seed``, or ``--trace FILE``
@@ -136,13 +138,19 @@ def bench(
     if as_json:
         typer.echo(json.dumps(doc))
     else:
-
         out_console().print(render(doc))
-        for e in doc.get("errors", ()):
-            typer.echo(f"error: {e}", err=True)
+    for e in doc.get("errors", ()):   # stderr: the JSON on stdout stays one document
+        typer.echo(f"error: {e}", err=True)
     if doc.get("error"):
         typer.secho(f"lockstep bench: {doc['error']}", fg=typer.colors.RED, err=True)
-    if doc["completed"] == 0 or doc.get("error"):
+    errors = doc["failed"] - doc.get("rejected", 0)
+    if errors:
+        typer.secho(f"lockstep bench: {errors} of {doc['requests']} requests failed (errors above); "
+                    "the api-servers' and ranks' logs say why", fg=typer.colors.RED, err=True)
+    elif doc.get("rejected"):
+        typer.echo(f"lockstep bench: {doc['rejected']} of {doc['requests']} requests were refused with 429 "
+                   "(admission control: the cluster was above capacity)", err=True)
+    if doc["completed"] == 0 or doc.get("error") or errors:
         raise typer.Exit(1)
 
 

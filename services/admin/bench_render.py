@@ -17,7 +17,8 @@ def render(doc: dict[str, Any]) -> Any:
               title_justify="left")
     t.add_column("measure")
     t.add_column("value", justify="right")
-    rows = [("completed / failed", f"{doc['completed']} / {doc['failed']}"),
+    failed = f"{doc['failed']}" + (f" ({doc['rejected']} refused: 429)" if doc.get("rejected") else "")
+    rows = [("completed / failed", f"{doc['completed']} / {failed}"),
             ("throughput (tok/s)", _fmt(doc["throughput_tok_s"])),
             ("TTFT p50 / p90 / p99 (ms)", " / ".join(_fmt(doc[f"ttft_p{p}_ms"]) for p in (50, 90, 99))),
             ("ITL p50 / p90 / p99 (ms)", " / ".join(_fmt(doc[f"itl_p{p}_ms"]) for p in (50, 90, 99))),

@@ -76,7 +76,9 @@ async def run_bench(url: str, redis_url: str | None, namespace: str, workload: s
     failed = [x for x in results if not x.ok]
     t_first = min((x.sent_wall for x in results), default=0.0)
     out: dict[str, Any] = {"url": base, "namespace": namespace, "model": model, "trace": name,
-                           "requests": len(items), "completed": len(ok), "failed": len(failed)}
+                           "requests": len(items), "completed": len(ok), "failed": len(failed),
+                           # of the failed, refused by admission control (429 "retry later"): not errors
+                           "rejected": sum(1 for x in failed if x.status == 429)}
     if failed:
         out["errors"] = sorted({x.error for x in failed})[:5]
     start = min((x.sent for x in results), default=0.0)
