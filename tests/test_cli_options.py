@@ -109,6 +109,33 @@ def test_up_refuses_a_port_another_listener_holds(no_start, monkeypatch):
     assert res.exit_code == 1 and "would start a cluster" in res.stderr, res.output
 
 
+def test_up_and_engine_refuse_a_model_the_sim_backend_would_ignore(no_start):
+    # the sim backend runs no model: --model random was accepted and did nothing
+    res = _cli("up", "--backend", "sim", "--model", "random")
+    _refused(res, "--model random needs --backend torch", "drop --model")
+    res = _cli("engine", "--ranks", "0", "--redis-url", "redis://127.0.0.1:1/0", "--backend", "sim", "--model", "random")
+    _refused(res, "--model random needs --backend torch")
+    for ok in (["--backend", "sim", "--model", "lockstep-moe"], ["--backend", "torch", "--model", "random"]):
+        res = _cli("up", *ok)
+        assert res.exit_code == 1 and "would start a cluster" in res.stderr, (ok, res.output)
+
+
+def test_up_interrupted_during_start_up_exits_130(no_start, monkeypatch):
+    from services.admin import up as up_mod
+
+    class Interrupted(up_mod.LocalCluster):
+        def start(self) -> None:
+            raise KeyboardInterrupt("signal 2 during start-up")
+
+        def stop(self, timeout_s: float = 10.0) -> None:
+            stopped.append(True)
+
+    stopped: list[bool] = []
+    monkeypatch.setattr(up_mod, "LocalCluster", Interrupted)
+    res = _cli("up", "--backend", "sim")
+    assert res.exit_code == 130 and "interrupted during start-up" in res.stderr and stopped, res.output
+
+
 def test_up_refuses_a_port_out_of_range(no_start):
     # 70000 failed in the api-servers (OverflowError) after everything started; 0 made each
     # replica listen on a random port of its own while `up` waited for :0

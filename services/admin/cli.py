@@ -87,8 +87,10 @@ def up(
     if time_scale != 1.0 and backend != "sim":
         _fail("--time-scale scales the sim backend's modeled device time; --backend torch runs the real model "
               "(use --backend sim --time-scale X, or drop --time-scale)", 2)
-    from services.engine_worker.model.factory import check_bundled, check_checkpoint, check_dtype, is_checkpoint
+    from services.engine_worker.model.factory import (check_backend, check_bundled, check_checkpoint, check_dtype,
+                                                      is_checkpoint)
     try:
+        check_backend(model or "", backend)
         check_dtype(model or "", dtype)
         if backend == "torch" and not (model and is_checkpoint(model)):
             check_bundled(ranks)
@@ -96,8 +98,6 @@ def up(
         _fail(str(exc), 2)
     model_env = {"LOCKSTEP_MODEL": model} if model else {}    # 'lockstep-moe' (the default) or 'random'
     if model and is_checkpoint(model):
-        if backend != "torch":
-            _fail("--model needs --backend torch (the sim backend makes up byte tokens)", 2)
         model = os.path.abspath(model)   # the children may start elsewhere
         try:
             check_checkpoint(model, ranks, int(os.environ.get("LOCKSTEP_MAX_MODEL_LEN", "4096")))
@@ -127,9 +127,12 @@ def up(
         cluster.start()
     except (RedisUnreachable, ServerNotFound) as exc:
         _fail(str(exc), 2)
-    except (RuntimeError, TimeoutError, ValueError, KeyboardInterrupt) as exc:
+    except KeyboardInterrupt:   # Ctrl-C / SIGTERM before the cluster served: the shell's convention
         cluster.stop()
-        _fail(str(exc) or "interrupted", 1)
+        _fail("interrupted during start-up; stopped what had started", 130)
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        cluster.stop()
+        _fail(str(exc), 1)
     typer.echo(banner(cluster))
     typer.echo(f"REDIS_URL={cluster.url}")
     sys.stdout.flush()

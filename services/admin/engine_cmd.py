@@ -328,8 +328,10 @@ def register(app: typer.Typer) -> None:
             fail("give --ranks A-B, or both --ranks-per-host R and --host-index I (not both ways)")
         if not ranks and host_index is None and spares < 1:
             fail("say what runs here: --ranks A-B (this host's ranks), --spares K (hot spares), or both")
-        from services.engine_worker.model.factory import check_bundled, check_checkpoint, check_dtype, is_checkpoint
+        from services.engine_worker.model.factory import (check_backend, check_bundled, check_checkpoint,
+                                                          check_dtype, is_checkpoint)
         try:
+            check_backend(model or "", backend)
             check_dtype(model or "", dtype)
         except ValueError as exc:
             fail(str(exc))
@@ -350,8 +352,6 @@ def register(app: typer.Typer) -> None:
         if model:
             extra["LOCKSTEP_MODEL"] = model
             if is_checkpoint(model):
-                if backend != "torch":
-                    fail("--model needs --backend torch (the sim backend makes up byte tokens)")
                 try:
                     check_checkpoint(model, world, int(os.environ.get("LOCKSTEP_MAX_MODEL_LEN", "4096")))
                 except (OSError, ValueError) as exc:

@@ -30,6 +30,14 @@ def check_dtype(model: str, dtype: str) -> None:
                          f"({model or 'lockstep-moe'}) always runs in float32: drop --dtype")
 
 
+def check_backend(model: str, backend: str) -> None:
+    """Refuse a ``--model`` the sim backend would ignore (it runs no model: it makes up byte
+    tokens at the cost model's pace): a checkpoint, or the random-weight bundled model."""
+    if backend != "torch" and model not in ("", "lockstep-moe"):
+        raise ValueError(f"--model {model} needs --backend torch: the sim backend runs no model (it makes up "
+                         "byte tokens); use --backend torch, or drop --model")
+
+
 def check_bundled(ranks: int) -> None:
     """Refuse, before any process starts, a rank count over which the bundled model's
     experts (the trained one's and ``random``'s alike) do not split evenly."""
