@@ -365,3 +365,16 @@ def test_chaos_refuses_a_run_with_no_fault(monkeypatch):
     _refused(_cli("chaos", "--duration", "8"), "no time for a fault", "--duration 10")
     res = _cli("chaos", "--duration", "30")
     assert res.exit_code == 2 and "would start a cluster" in res.stderr, res.output
+
+
+# ---------------------------------------------------------------------------- help
+def test_help_shows_no_value_beside_a_flag_and_up_names_its_default_policy(monkeypatch):
+    # typer 0.2x printed `--help <bool>` and `--align-tokens/--no-align-tokens <bool>`
+    monkeypatch.setenv("COLUMNS", "160")
+    for args in ([], ["up"], ["bench"], ["simulate"]):
+        res = _cli(*args, "--help")
+        assert res.exit_code == 0 and "--help" in res.output, res.output
+        assert "<bool>" not in res.output, res.output
+    up_help = _cli("up", "--help").output
+    assert "<int range>" in up_help or "INTEGER" in up_help      # options that take a value still say what
+    assert "waterfill: the default" in up_help and "[default: waterfill]" in up_help

@@ -14,6 +14,22 @@ from services.admin import local_state
 from services.admin.cmd_common import console as out_console, log_level_known
 from shared.policy.registry import DEFAULT_POLICY, PURPOSE, policy_names
 
+def _flags_take_no_value() -> None:
+    """typer 0.2x prints a type beside every option, flags too (``--help <bool>``); a flag
+    takes no value, so its help row shows none (older typers have no such column)."""
+    from typer.core import TyperOption
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "flags_take_no_value", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx: typer.Context) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+    display_type_rich.flags_take_no_value = True   # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich   # type: ignore[method-assign]
+
+
+_flags_take_no_value()
+
 app = typer.Typer(
     name="lockstep", no_args_is_help=True, add_completion=False, rich_markup_mode="rich",
     pretty_exceptions_enable=False,
