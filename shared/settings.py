@@ -147,7 +147,7 @@ class ApiServerSettings(Settings):
     max_inflight: int = Field(4096, description="Requests in flight per replica before 429.")
     max_queue_wait_s: float = Field(60.0, ge=0, description="429 (with Retry-After) while the scheduler's longest-waiting unplaced request has waited longer than this: above capacity TTFT stays near this bound instead of growing with the queue (0 = off; docs/operations.md, Overload).")
     request_timeout_s: float = Field(600.0, description="Longest a request may wait for its tokens.")
-    no_rank_timeout_s: float = Field(30.0, ge=0, description="While no engine rank has been live for longer than this (all down, or still starting), new requests get a 503 (code no_live_rank, with Retry-After) and those in flight end with a 503 that says to retry, instead of waiting out request_timeout_s for a rank (0 = wait for one).")
+    engine_down_timeout_s: float = Field(30.0, ge=0, description="While the engine group has been short of a rank for longer than this (it steps only with all of them: a rank down and not replaced, all down, or still starting), new requests get a 503 (code engine_unavailable, with Retry-After) and those in flight end with a 503 that says to retry, instead of waiting out request_timeout_s (0 = wait however long).")
     shutdown_grace_s: float = Field(5.0, ge=0, description="On SIGTERM/SIGINT: how long the requests in flight may still run; then each ends with a 503 that says to retry (a stream: an error event and [DONE], not a cut connection). New requests get that 503 at once.")
     # A comma list in the environment (pydantic-settings would read a list as JSON).
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Accepted API keys (comma list); empty = no auth.")

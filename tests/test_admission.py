@@ -14,13 +14,13 @@ from shared.policy.registry import make_policy
 from shared.stats import RankStats, Snapshot
 
 
-def _gw(wait, inflight=0, no_rank_s=0.0):
+def _gw(wait, inflight=0, down_s=0.0, live=0):
     return SimpleNamespace(queue_wait_s=wait, channels=dict.fromkeys(range(inflight)), keys=SimpleNamespace(ns="ls"),
-                           no_rank_for=lambda now: no_rank_s)
+                           down_for=lambda now: down_s, ranks_live=live, num_ranks=4)
 
 
-def _settings(bound=10.0, inflight=100, no_rank=30.0):
-    return SimpleNamespace(max_queue_wait_s=bound, max_inflight=inflight, no_rank_timeout_s=no_rank)
+def _settings(bound=10.0, inflight=100, down=30.0):
+    return SimpleNamespace(max_queue_wait_s=bound, max_inflight=inflight, engine_down_timeout_s=down)
 
 
 def test_a_queue_older_than_the_bound_is_refused_with_the_excess_as_retry_after():
@@ -40,14 +40,17 @@ def test_the_in_flight_bound_counts_every_choice_of_a_request():
     assert "needs 3 of 100" in e.value.message and e.value.headers == {"Retry-After": "1"}
 
 
-def test_no_live_rank_for_longer_than_the_timeout_is_a_503_that_says_so():
-    admit(_gw(0.0, no_rank_s=29.0), _settings())       # ranks may be restarting: wait for one
+def test_a_group_short_of_a_rank_for_longer_than_the_timeout_is_a_503_that_says_so():
+    admit(_gw(0.0, down_s=29.0), _settings())          # a rank may be restarting: wait for it
     with pytest.raises(ApiError) as e:
-        admit(_gw(0.0, no_rank_s=31.0), _settings())
-    assert e.value.status == 503 and e.value.code == "no_live_rank"
+        admit(_gw(0.0, down_s=31.0), _settings())
+    assert e.value.status == 503 and e.value.code == "engine_unavailable"
     assert "no engine rank of cluster 'ls' has been live for 31 s" in e.value.message
     assert "lockstep status" in e.value.message and e.value.headers == {"Retry-After": "5"}
-    admit(_gw(0.0, no_rank_s=1e6), _settings(no_rank=0))   # 0: wait for a rank however long
+    with pytest.raises(ApiError) as e:
+        admit(_gw(0.0, down_s=31.0, live=3), _settings())
+    assert "only 3 of the 4 engine ranks" in e.value.message and "steps only with all of them" in e.value.message
+    admit(_gw(0.0, down_s=1e6), _settings(down=0))    # 0: wait however long
 
 
 def test_retry_after_is_whole_seconds_between_one_and_a_minute():

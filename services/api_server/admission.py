@@ -1,7 +1,8 @@
 """Admission: answer 429 with Retry-After before the queue grows past what a client accepts.
 
-A cluster with no live engine rank for longer than ``no_rank_timeout_s`` answers 503
-(code ``no_live_rank``) at once: nothing could serve the request. Then two bounds, both
+An engine group short of a rank for longer than ``engine_down_timeout_s`` (it steps only
+with all of them) answers 503 (code ``engine_unavailable``) at once: nothing could serve
+the request. Then two bounds, both
 settings of the api-server: ``max_queue_wait_s`` — while the scheduler's
 longest-waiting unplaced request has waited longer than this (as it publishes with each
 snapshot, read once a second by the replica's heartbeat), a new request would only wait
@@ -16,10 +17,10 @@ import time
 from typing import Any
 
 from services.api_server.errors import ApiError
-from services.api_server.gateway import no_live_rank_message
+from services.api_server.gateway import engine_down_message
 
 MAX_RETRY_AFTER_S = 60
-NO_RANK_RETRY_AFTER_S = 5   # ranks restarted by a supervisor are back within seconds
+ENGINE_DOWN_RETRY_AFTER_S = 5   # ranks restarted by a supervisor are back within seconds
 
 
 SHUTTING_DOWN = "this api-server is shutting down; retry the request (another replica, or this one once restarted)"
@@ -39,10 +40,11 @@ def admit(gw: Any, settings: Any, need: int = 1) -> None:
     (the 503 of a replica that is shutting down)."""
     if getattr(gw, "closing", False):
         raise ApiError(503, SHUTTING_DOWN, code="shutting_down")
-    no_rank_s = gw.no_rank_for(time.monotonic()) if hasattr(gw, "no_rank_for") else 0.0
-    if settings.no_rank_timeout_s > 0 and no_rank_s > settings.no_rank_timeout_s:
-        raise ApiError(503, no_live_rank_message(no_rank_s, gw.keys.ns) + "; retry after the Retry-After delay",
-                       code="no_live_rank", headers={"Retry-After": str(NO_RANK_RETRY_AFTER_S)})
+    down_s = gw.down_for(time.monotonic()) if hasattr(gw, "down_for") else 0.0
+    if settings.engine_down_timeout_s > 0 and down_s > settings.engine_down_timeout_s:
+        message = engine_down_message(gw.ranks_live or 0, gw.num_ranks, down_s, gw.keys.ns)
+        raise ApiError(503, message + "; retry after the Retry-After delay", code="engine_unavailable",
+                       headers={"Retry-After": str(ENGINE_DOWN_RETRY_AFTER_S)})
     wait, bound = gw.queue_wait_s, settings.max_queue_wait_s
     if bound > 0 and wait is not None and wait > bound:
         raise ApiError(429, f"server busy: requests are waiting {wait:.0f} s in the scheduler's queue, longer than "

@@ -135,7 +135,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         r = connect(settings.redis_url)
         policy = client_policy(settings, api_id)
         gw = Gateway(r, keys, api_id, dispatch=settings.dispatch, policy=policy, log=log, metrics=metrics,
-                     no_rank_timeout_s=settings.no_rank_timeout_s)
+                     engine_down_timeout_s=settings.engine_down_timeout_s)
         await gw.start()
         state["gw"], state["r"], state["loop"] = gw, r, asyncio.get_running_loop()
         log.info("api_server_ready", port=settings.port, dispatch=settings.dispatch, ranks=gw.num_ranks)
@@ -181,7 +181,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         except Exception:  # noqa: BLE001
             return _json({"status": "unhealthy", "redis": False, "api_id": api_id}, 503)
         return _json({"status": "ok", "redis": True, "api_id": api_id, "inflight": len(gw.channels),
-                      "ranks_live": gw.ranks_live})
+                      "ranks": gw.num_ranks, "ranks_live": gw.ranks_live})
 
     @app.get("/metrics")
     async def prom() -> Response:

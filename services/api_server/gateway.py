@@ -114,16 +114,21 @@ def client_policy(settings: Any, api_id: str) -> Any:
                        num_api_servers=settings.num_api_servers)
 
 
-def no_live_rank_message(for_s: float, namespace: str) -> str:
-    return (f"no engine rank of cluster {namespace!r} has been live for {for_s:.0f} s (they are down or still "
-            "starting; `lockstep status` shows them)")
+def engine_down_message(live: int, ranks: int, for_s: float, namespace: str) -> str:
+    """Why the engine group cannot serve: it steps only with every one of its ranks."""
+    if live <= 0:
+        why = f"no engine rank of cluster {namespace!r} has been live for {for_s:.0f} s (all down, or still starting"
+    else:
+        why = (f"only {live} of the {ranks} engine ranks of cluster {namespace!r} have been live for {for_s:.0f} s, "
+               "and the group steps only with all of them (a rank is down and not replaced: start it, or a hot spare")
+    return why + "; `lockstep status` shows them)"
 
 
 class Gateway:
     def __init__(self, r: Any, keys: K.Keys, api_id: str, *, dispatch: str = "scheduler",
-                 policy: Any = None, log: Any = None, metrics: Any = None, no_rank_timeout_s: float = 0.0) -> None:
+                 policy: Any = None, log: Any = None, metrics: Any = None, engine_down_timeout_s: float = 0.0) -> None:
         self.r, self.keys, self.api_id, self.log, self.metrics = r, keys, api_id, log, metrics
-        self.no_rank_timeout_s = no_rank_timeout_s   # 0: wait for a rank however long
+        self.engine_down_timeout_s = engine_down_timeout_s   # 0: wait for the group however long
         self.client_dispatch = dispatch == "client"
         if self.client_dispatch and policy is not None and not hasattr(policy, "choose"):
             # (Settings validation refuses this first; never answer every request with 500.)
@@ -141,7 +146,7 @@ class Gateway:
         self.run_id = ""
         self.queue_wait_s: float | None = None   # the scheduler's queue, as of the last heartbeat
         self.ranks_live: int | None = None        # ranks with a heartbeat, as of the last one (None: unknown)
-        self.no_rank_since: float | None = None   # monotonic: since when no rank has been live
+        self.down_since: float | None = None      # monotonic: since when fewer than every rank has been live
 
     async def start(self) -> None:
         self.run_id = await server_run_id(self.r, self.keys.dataset)
@@ -351,54 +356,62 @@ class Gateway:
 
     async def _heartbeat(self) -> None:
         """Once a second, in one round trip: this replica's heartbeat, how long the
-        scheduler's oldest unplaced request has waited (the admission bound's input), and
-        which ranks have a heartbeat (no live rank for long ends the requests waiting)."""
+        scheduler's oldest unplaced request has waited (the admission bound's input), the
+        group's size and which of its ranks have a heartbeat (a group short of a rank for
+        long ends the requests waiting)."""
         while True:
             try:
                 pipe = self.r.pipeline(transaction=False)
                 pipe.set(self.keys.api_alive(self.api_id), str(time.time()), px=3000)
                 pipe.hmget(self.keys.snapshot, "queue_wait_ms", "queue_at")
+                pipe.hget(self.keys.cluster, "ranks")   # written after this replica started, maybe
                 for rank in range(self.num_ranks):   # one key each: their slots differ on Redis Cluster
                     pipe.exists(self.keys.rank_alive(rank))
-                _, (wait_ms, at), *alive = await pipe.execute()
+                _, (wait_ms, at), ranks, *alive = await pipe.execute()
                 self.queue_wait_s = queue_wait_s(wait_ms, at, time.time())
-                self.observe_ranks(sum(alive), time.monotonic())
+                if ranks and int(ranks) != self.num_ranks:
+                    self.num_ranks = int(ranks)
+                else:
+                    self.observe_ranks(sum(alive), time.monotonic())
             except Exception:  # noqa: BLE001 - an outage: no figures (the requests fail on their own)
                 self.queue_wait_s = None
                 self.ranks_live = None
             await asyncio.sleep(HEARTBEAT_S)
 
     def observe_ranks(self, live: int, now: float) -> None:
-        """``live`` ranks have a heartbeat at monotonic ``now``. Once none has had one for
-        ``no_rank_timeout_s``, the requests in flight cannot go on: each is aborted (a rank
-        that comes back must not run it for nobody) and ends with a clear, retryable error."""
+        """``live`` of the group's ranks have a heartbeat at monotonic ``now``. The group
+        steps only with every rank (each step is a collective of all), so once one has been
+        missing for ``engine_down_timeout_s`` (down and not replaced, or never started) the
+        requests in flight cannot go on: each is aborted (a rank that comes back must not
+        run it for nobody) and ends with a clear, retryable error."""
         self.ranks_live = live
-        if live:
-            if self.no_rank_since is not None and self.log is not None:
-                self.log.info("ranks_live_again", ranks_live=live, after_s=round(now - self.no_rank_since, 1))
-            self.no_rank_since = None
+        if live >= self.num_ranks:
+            if self.down_since is not None and self.log is not None:
+                self.log.info("engine_group_complete", ranks=live, after_s=round(now - self.down_since, 1))
+            self.down_since = None
             return
-        if self.no_rank_since is None:
-            self.no_rank_since = now
+        if self.down_since is None:
+            self.down_since = now
             if self.log is not None:
-                self.log.warning("no_live_rank", ranks=self.num_ranks)
-        if not self.no_rank_timeout_s or now - self.no_rank_since <= self.no_rank_timeout_s:
+                self.log.warning("engine_group_incomplete", ranks_live=live, ranks=self.num_ranks)
+        if not self.engine_down_timeout_s or now - self.down_since <= self.engine_down_timeout_s:
             return
         waiting = [ch for ch in self.channels.values() if ch.finish is None]
         if not waiting:
             return
-        message = no_live_rank_message(now - self.no_rank_since, self.keys.ns)
+        message = engine_down_message(live, self.num_ranks, now - self.down_since, self.keys.ns)
         for ch in waiting:
             rank = self.rank_of.get(ch.id)
             stream = self.keys.inbox(rank) if rank is not None else self.keys.requests
-            self._enqueue(stream, encode(Abort(ch.id, rank, "no_live_rank")), None)
+            self._enqueue(stream, encode(Abort(ch.id, rank, "engine_down")), None)
             ch.fail(message)
         if self.log is not None:
-            self.log.error("requests_failed_no_live_rank", n=len(waiting), for_s=round(now - self.no_rank_since, 1))
+            self.log.error("requests_failed_engine_down", n=len(waiting), ranks_live=live,
+                           for_s=round(now - self.down_since, 1))
 
-    def no_rank_for(self, now: float) -> float:
-        """Seconds (monotonic ``now``) that no rank has had a heartbeat; 0 while one has."""
-        return 0.0 if self.no_rank_since is None else now - self.no_rank_since
+    def down_for(self, now: float) -> float:
+        """Seconds (monotonic ``now``) that the group has been short of a rank; 0 while whole."""
+        return 0.0 if self.down_since is None else now - self.down_since
 
     async def _follow_snapshots(self) -> None:
         """Feed each published snapshot to this replica's policy (client dispatch) and to
