@@ -14,6 +14,7 @@ from services.admin import local_state
 from services.admin.cmd_common import console as out_console, log_level_known
 from shared.policy.registry import DEFAULT_POLICY, PURPOSE, policy_names
 
+
 def _flags_take_no_value() -> None:
     """typer 0.2x prints a type beside every option, flags too (``--help <bool>``); a flag
     takes no value, so its help row shows none (older typers have no such column)."""

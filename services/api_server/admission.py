@@ -2,11 +2,11 @@
 
 An engine group short of a rank for longer than ``engine_down_timeout_s`` (it steps only
 with all of them) answers 503 (code ``engine_unavailable``) at once: nothing could serve
-the request. Then two bounds, both
-settings of the api-server: ``max_queue_wait_s`` — while the scheduler's
-longest-waiting unplaced request has waited longer than this (as it publishes with each
-snapshot, read once a second by the replica's heartbeat), a new request would only wait
-longer still, so it is refused; and ``max_inflight`` — requests in flight on this replica.
+the request. Then two bounds, both settings of the api-server: ``max_queue_wait_s`` —
+while the scheduler's longest-waiting unplaced request has waited longer than this (as it
+publishes with each snapshot, read once a second by the replica's heartbeat), a new
+request would only wait longer still, so it is refused; and ``max_inflight`` — requests
+in flight on this replica.
 Above capacity the first bound holds TTFT near ``max_queue_wait_s`` plus the prefill, where
 the second alone would let it grow to ``replicas x max_inflight / capacity``."""
 
