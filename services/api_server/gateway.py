@@ -147,6 +147,7 @@ class Gateway:
         self.queue_wait_s: float | None = None   # the scheduler's queue, as of the last heartbeat
         self.ranks_live: int | None = None        # ranks with a heartbeat, as of the last one (None: unknown)
         self.down_since: float | None = None      # monotonic: since when fewer than every rank has been live
+        self.was_whole = False                    # the group had every rank once since this replica started
 
     async def start(self) -> None:
         self.run_id = await server_run_id(self.r, self.keys.dataset)
@@ -389,11 +390,13 @@ class Gateway:
             if self.down_since is not None and self.log is not None:
                 self.log.info("engine_group_complete", ranks=live, after_s=round(now - self.down_since, 1))
             self.down_since = None
+            self.was_whole = True
             return
         if self.down_since is None:
             self.down_since = now
-            if self.log is not None:
-                self.log.warning("engine_group_incomplete", ranks_live=live, ranks=self.num_ranks)
+            if self.log is not None:   # at start-up the ranks join after the api-servers: no warning then
+                (self.log.warning if self.was_whole else self.log.info)(
+                    "engine_group_incomplete", ranks_live=live, ranks=self.num_ranks, starting=not self.was_whole)
         if not self.engine_down_timeout_s or now - self.down_since <= self.engine_down_timeout_s:
             return
         waiting = [ch for ch in self.channels.values() if ch.finish is None]
