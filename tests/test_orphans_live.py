@@ -56,6 +56,11 @@ def test_sigkill_of_up_leaves_no_process_behind(tmp_path: Path) -> None:
         cluster.proc.wait(10)
         poll_until(lambda: not any(_alive(p) for p in kids), STOPPING_REDIS_GRACE_S + 40,
                    "every child of the killed `lockstep up` exited")
+        # ... each the way it means to: the paused ranks' stop path raised a NameError before
+        logs = {p.name: p.read_text() for p in Path(cluster.state_dir).rglob("*.log")
+                if p.name.startswith(("engine-", "spare-"))}
+        assert logs and not [n for n, t in logs.items() if "Traceback" in t], \
+            {n: t[-2000:] for n, t in logs.items() if "Traceback" in t}
     finally:
         for p in kids:
             if _alive(p):

@@ -11,7 +11,7 @@ from services.engine_worker.inbox_reader import InboxReader
 from services.engine_worker.rank_state import RankState
 from shared import keys as K
 from shared import trace
-from shared.bus import Recorder, decode_entries, retrying
+from shared.bus import TRANSIENT, Recorder, decode_entries, retrying
 from shared.messages import FIELD, MessageError, WaveNotice, encode, request_owner
 from shared.settings import EngineSettings
 
