@@ -5,7 +5,6 @@ checkpoint's chat template, streaming detokenization, stop strings and usage."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

@@ -34,7 +34,7 @@ from shared.logging import configure
 from shared.messages import Request
 from shared.settings import ApiServerSettings
 from shared.stop import TextStopper
-from shared.tokenizer import BOS, EOS, VOCAB_SIZE, StreamDecoder, decode
+from shared.tokenizer import BOS, EOS, VOCAB_SIZE
 from shared import tokenizer as _bytes
 from shared import trace
 from shared.hf_tokenizer import HFTokenizer
