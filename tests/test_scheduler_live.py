@@ -89,6 +89,38 @@ async def test_aborting_an_unplaced_request_loses_no_other_request(redis_url, na
         await r.aclose()
 
 
+async def test_an_abort_after_a_failover_reaches_the_rank_an_earlier_leader_placed_on(redis_url, namespace):
+    """The leader that placed a request died; its client goes away under the next one. The
+    abort (the api-server sends no rank) must reach the rank that runs it: the new leader
+    did not place it, and used to drop the abort, so the rank ran the request to its end
+    for nobody. The new leader reads the rank from the request's record."""
+    r = connect(redis_url)
+    first = SchedulerService(_settings(redis_url, namespace, policy="least_score"))
+    keys = first.keys
+    try:
+        async with running(first):
+            await r.xadd(keys.requests, {FIELD: _req("P")})
+            docs = await wait_until(lambda: _have(r, keys, {"P"}), timeout=5)
+        rank = docs["P"]["r"]
+        second = SchedulerService(_settings(redis_url, namespace, policy="least_score"))
+        async with running(second):
+            assert "P" not in second.state.assigned
+            await r.xadd(keys.requests, {FIELD: dumps(Abort("P").to_dict())})
+            await wait_until(lambda: _inbox_has_abort(r, keys, rank, "P"), timeout=5)
+            # One that finished is not aborted again (its record says so).
+            await r.hset(keys.req("Q"), mapping={"rank": 1 - rank, "state": "finished"})
+            await r.xadd(keys.requests, {FIELD: dumps(Abort("Q").to_dict())})
+            await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
+            assert not await _inbox_has_abort(r, keys, 1 - rank, "Q")
+    finally:
+        await r.aclose()
+
+
+async def _inbox_has_abort(r: Any, keys: K.Keys, rank: int, rid: str) -> bool:
+    return any(doc.get("k") == "abort" and doc.get("id") == rid
+               for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(rank)))]))
+
+
 async def test_batcher_full_leaves_the_entry_on_the_stream(redis_url, namespace, monkeypatch):
     """Issue #14.2: ``BatcherFull`` is back-pressure: the entry is not acked, and it is
     dispatched once the batcher takes it."""

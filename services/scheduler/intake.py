@@ -80,6 +80,7 @@ class Intake:
         successor reclaims it); one the policy could not take (``BatcherFull``, an error)
         stays pending too and is taken back after ``RETRY_DEFERRED_S``."""
         st, w = self.state, self.writer
+        placed_by_others = await self._ranks_of_unknown_aborts(entries)
         now = time.time()
         # A transaction: the ranks' blocked reads see the inbox writes and the wake-up
         # notice together (shared/wake.py).
@@ -125,6 +126,8 @@ class Intake:
                         w.emit(pipe, req, st.policy.choose(info, now), now)
                         acks.append(eid)
                 else:
+                    if ab.rank is None:
+                        ab.rank = placed_by_others.get(ab.id)
                     w.route_abort(pipe, ab)
                     acks.append(eid)
             except BatcherFull as exc:
@@ -142,6 +145,26 @@ class Intake:
         if trace.ENABLED:
             trace.mark("sched_sent")
         await pipe.execute()
+
+    async def _ranks_of_unknown_aborts(self, entries: list[tuple[bytes, bytes, dict[str, Any]]]) -> dict[str, int]:
+        """The rank of each aborted request this leader neither placed nor holds: one placed
+        by an earlier leader (a failover in between), as its record says. Without it the
+        abort would be dropped and the rank would run the request for nobody to its end.
+        One round trip, and only for such aborts (an api-server sends no rank)."""
+        st = self.state
+        ids = [str(doc.get("id")) for _, _, doc in entries
+               if doc.get("k") == "abort" and doc.get("r") is None and isinstance(doc.get("id"), str)
+               and doc["id"] not in st.assigned and doc["id"] not in st.unplaced]
+        if not ids:
+            return {}
+        pipe = self.r.pipeline(transaction=False)
+        for rid in ids:
+            pipe.hmget(self.keys.req(rid), "rank", "state")
+        found = {}
+        for rid, (rank, state) in zip(ids, await pipe.execute()):
+            if rank is not None and state != b"finished":
+                found[rid] = int(rank)
+        return found
 
     def _defer(self) -> None:
         if not self._retry_at:
