@@ -56,6 +56,7 @@ def test_a_group_short_of_a_rank_ends_the_wait_with_a_503_and_serves_once_whole(
                 assert chunk.choices[0].finish_reason is None  # 3,000 tokens: it cannot finish
         message = str(err.value.message)
         assert says in message and "retry" in message, message
+        assert err.value.code == "engine_unavailable", err.value.body
         assert time.monotonic() - t0 < 30                      # not request_timeout_s (600 s)
         assert httpx.get(health, timeout=5).json()["ranks_live"] == ranks - 1
 

@@ -35,6 +35,12 @@ def ran_out(gw: Any, timeout_s: float) -> tuple[str, ApiError]:
     return "timeout", ApiError(504, f"no completion within {timeout_s:g}s; retry later")
 
 
+def not_completed(ch: Any) -> ApiError:
+    """What the client gets for a request that ended in an error or an abort (every path,
+    stream or not, one choice or several): a 503 that says why, with the cause's code."""
+    return ApiError(503, f"the request could not be completed: {ch.error or ch.finish}; retry it", code=ch.code)
+
+
 def admit(gw: Any, settings: Any, need: int = 1) -> None:
     """Raise the 429 for a request that needs ``need`` in-flight slots, if it must wait
     (the 503 of a replica that is shutting down)."""

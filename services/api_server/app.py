@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response, StreamingResponse
 
-from services.api_server.admission import admit, ran_out
+from services.api_server.admission import admit, not_completed, ran_out
 from services.api_server.errors import ApiError, error_response
 from services.api_server.gateway import Gateway, RequestChannel, client_policy
 from services.api_server.choice import feed as _feed, final, prompt_part, text_tokens as _text_tokens
@@ -329,8 +329,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
             metrics.inflight.dec()
             gw.release(rid)
         if ch.finish in ("error", "abort"):
-            raise ApiError(503, f"the request could not be completed: {ch.error or ch.finish}; retry it",
-                           code="engine_error")
+            raise not_completed(ch)
         _observe(ch, t0, len(ch.tokens))
         choice = final(p, ch, 0, p.prompt, p.prompt_text)
         if p.kind == "chat":
@@ -427,7 +426,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                 if ch.finish is not None and sent >= len(ch.tokens):
                     finished = True
                     if ch.finish in ("error", "abort"):
-                        yield _sse_error(503, f"the request could not be completed: {ch.error or ch.finish}; retry it")
+                        yield b"data: " + orjson.dumps(not_completed(ch).body()) + b"\n\n"
                         yield b"data: [DONE]\n\n"
                         return
                     tail = stopper.feed(dec.flush()) + stopper.finish()
@@ -473,10 +472,6 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
             loop.call_soon_threadsafe(gw.begin_close, settings.shutdown_grace_s)
     wrapped.begin_close = begin_close
     return wrapped
-
-
-def _sse_error(status: int, message: str) -> bytes:
-    return b"data: " + orjson.dumps(ApiError(status, message).body()) + b"\n\n"
 
 
 async def _client_gone(request: HttpRequest) -> None:

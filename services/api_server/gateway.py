@@ -33,7 +33,7 @@ FOLLOW_BACKOFF_MAX_S = 5.0   # ... doubling up to this
 class RequestChannel:
     """Tokens of one request as they arrive; ``pos`` in each delta drops duplicates."""
 
-    __slots__ = ("id", "tokens", "finish", "error", "prompt_tokens", "event", "rank", "first_t", "last_t",
+    __slots__ = ("id", "tokens", "finish", "error", "code", "prompt_tokens", "event", "rank", "first_t", "last_t",
                  "req", "epoch", "logprobs", "prompt_lp")
 
     def __init__(self, rid: str) -> None:
@@ -41,6 +41,7 @@ class RequestChannel:
         self.tokens: list[int] = []
         self.finish: str | None = None
         self.error: str | None = None
+        self.code = "engine_error"         # the error code the client gets if it ends in an error
         self.prompt_tokens = 0
         self.rank = -1
         self.event = asyncio.Event()
@@ -88,9 +89,9 @@ class RequestChannel:
             self.prompt_tokens = d.prompt_tokens
         self.event.set()
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, code: str = "engine_error") -> None:
         if self.finish is None:
-            self.finish, self.error = "error", message
+            self.finish, self.error, self.code = "error", message, code
             self.event.set()
 
 
@@ -407,7 +408,7 @@ class Gateway:
             rank = self.rank_of.get(ch.id)
             stream = self.keys.inbox(rank) if rank is not None else self.keys.requests
             self._enqueue(stream, encode(Abort(ch.id, rank, "engine_down")), None)
-            ch.fail(message)
+            ch.fail(message, "engine_unavailable")
         if self.log is not None:
             self.log.error("requests_failed_engine_down", n=len(waiting), ranks_live=live,
                            for_s=round(now - self.down_since, 1))

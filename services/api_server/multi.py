@@ -21,7 +21,7 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 
 from services.api_server.choice import StreamChoice, final
-from services.api_server.admission import admit, ran_out
+from services.api_server.admission import admit, not_completed, ran_out
 from services.api_server.errors import ApiError
 from services.api_server.gateway import Gateway, RequestChannel
 from services.api_server.protocol import ParsedRequest
@@ -161,8 +161,7 @@ async def _complete(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway
         _end(gw, subs, reason)
     bad = next((s for s in subs if s.ch.finish in ("error", "abort")), None)
     if bad is not None:
-        raise ApiError(503, f"the request could not be completed: {bad.ch.error or bad.ch.finish}; retry it",
-                       code="engine_error")
+        raise not_completed(bad.ch)
     chosen = pick(p, subs)
     shown = _visible(p)
     done_t = time.monotonic()
@@ -211,8 +210,7 @@ async def _sse(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway, rid
             broken = next((s for s in subs if s.ch.finish in ("error", "abort")), None)
             if broken is not None:
                 reason = "engine_error"
-                yield b"data: " + orjson.dumps(ApiError(503, "the request could not be completed: "
-                                                        f"{broken.ch.error or broken.ch.finish}; retry it").body()) + b"\n\n"
+                yield b"data: " + orjson.dumps(not_completed(broken.ch).body()) + b"\n\n"
                 yield b"data: [DONE]\n\n"
                 return
             if all(st.done for st in streams):
