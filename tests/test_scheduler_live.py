@@ -116,6 +116,28 @@ async def test_an_abort_after_a_failover_reaches_the_rank_an_earlier_leader_plac
         await r.aclose()
 
 
+async def test_a_scheduler_stopped_while_redis_is_gone_exits_cleanly(tmp_path):
+    """Its last write, the lease's release, found no server: it raised out of ``run`` (a
+    traceback on every stop of a cluster whose Redis went first). Now it logs that the lease
+    will lapse and returns 0."""
+    from shared.redis_server import EmbeddedRedis
+
+    srv = EmbeddedRedis().start()
+    try:
+        svc = SchedulerService(_settings(srv.url, "gone", policy="least_score"))
+        task = asyncio.create_task(svc.run())
+        r = connect(srv.url)
+        try:
+            await wait_until(lambda: _leads(r, svc), timeout=10)
+        finally:
+            await r.aclose()
+        srv.stop()
+        svc.stop.set()
+        assert await asyncio.wait_for(task, 30) == 0
+    finally:
+        srv.stop()
+
+
 async def _inbox_has_abort(r: Any, keys: K.Keys, rank: int, rid: str) -> bool:
     return any(doc.get("k") == "abort" and doc.get("id") == rid
                for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(rank)))]))

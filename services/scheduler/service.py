@@ -27,12 +27,15 @@ from services.scheduler.state import SchedulerState
 from services.scheduler.step_publisher import StepPublisher
 from shared import keys as K
 from shared import lease
-from shared.bus import ensure_group, open_service_connection
+from shared.bus import TRANSIENT, ensure_group, open_service_connection
 from shared.logging import configure
 from shared.policy.aggregator import StepAggregator
 from shared.policy.registry import make_policy
 from shared.policy.waterfill import level_for
 from shared.settings import SchedulerSettings
+
+
+RELEASE_TIMEOUT_S = 2.0   # a stopping scheduler's last write (its lease): not worth a longer wait
 
 
 class SchedulerService:
@@ -106,8 +109,10 @@ class SchedulerService:
         for t in done:
             if t is not stopper and t.exception():
                 self.log.error("scheduler_failed", error=repr(t.exception()))
-        try:
-            await lease.release(self.r, self.keys.leader, self.id)   # only if still ours
+        try:   # only if still ours; Redis may be gone (then the lease lapses after lease_ms)
+            await asyncio.wait_for(lease.release(self.r, self.keys.leader, self.id), RELEASE_TIMEOUT_S)
+        except (TimeoutError, *TRANSIENT) as exc:
+            self.log.warning("lease_not_released", error=str(exc)[:200] or "timeout", lapses_in_ms=self.s.lease_ms)
         finally:
             await self.r.aclose()
         return 0
