@@ -72,3 +72,50 @@ def test_short_chaos_run_loses_and_duplicates_nothing(tmp_path):
     assert out["faults"] == {k: 1 for k in KINDS}, out   # each injected (none skipped)
     # a failure is a clear one: an OpenAI error body or a dropped connection, never an unclear body
     assert not [k for k in out["failed_by_kind"] if k.endswith(":unclear")], out["failed_examples"]
+    # Faults make errors, never crashes: no service logged a traceback, the end of the run
+    # included (Redis and the respawned children used to die with the thread that started
+    # them, before the cluster's orderly stop).
+    logs = {p.name: p.read_text() for p in (tmp_path / "chaos" / "logs").glob("*.log")}
+    assert logs and not [n for n, t in logs.items() if "Traceback" in t], \
+        {n: t[t.index("Traceback") - 500:][:3000] for n, t in logs.items() if "Traceback" in t}
+
+
+def _sleeper() -> subprocess.Popen:
+    from shared.redis_server import die_with_parent
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=die_with_parent)
+
+
+@pytest.mark.timeout(60)
+def test_children_the_owner_thread_starts_live_until_the_cluster_stops():
+    """The hazard: a child gets its parent-death signal when the *thread* that started it
+    exits. Started from a thread that ends, it dies with it; started by the owner thread,
+    it is alive when the owner stops the cluster, and only then goes."""
+    import threading
+
+    from services.admin.chaos import ClusterOwner
+
+    box: list[subprocess.Popen] = []
+    t = threading.Thread(target=lambda: box.append(_sleeper()))
+    t.start()
+    t.join()
+    assert box[0].wait(20) != 0          # gone with its thread (SIGTERM)
+
+    class Cluster:
+        seen: list = []
+
+        def supervise(self) -> bool:
+            return True
+
+        def stop(self) -> None:
+            self.seen.extend(p.poll() for p in box[1:])
+            for p in box[1:]:
+                p.kill()
+                p.wait(10)
+
+    cluster = Cluster()
+    owner = ClusterOwner(cluster, poll_s=0.05)
+    owner.start()
+    box.append(owner.submit(_sleeper).result(10))
+    owner.finish.set()
+    owner.join(30)
+    assert cluster.seen == [None]        # alive when the cluster stopped

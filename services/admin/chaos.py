@@ -17,8 +17,10 @@ on the way down and loads on the way up).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import os
+import queue
 import random
 import signal
 import tempfile
@@ -223,14 +225,13 @@ async def drive_load(url: str, run_seed: int, duration_s: float, concurrency: in
 
 # ---------------------------------------------------------------------------- the faults
 class Injector:
-    """Applies faults to a LocalCluster (blocking; run in a thread)."""
+    """Applies faults to a LocalCluster (blocking; run on the cluster's owner thread)."""
 
     def __init__(self, cluster: Any) -> None:
         from shared.keys import Keys
 
         self.c = cluster
         self.keys = Keys(cluster.o.namespace)
-        self.lock = threading.Lock()   # the supervisor must not read children while Redis restarts
 
     def apply(self, f: Fault) -> str:
         """Inject one fault; returns '' or why it was skipped."""
@@ -269,26 +270,57 @@ class Injector:
         old = self.c.redis
         if old is None:
             return "Redis is not embedded"
-        with self.lock:
-            port, persist = old.port, old.persist_dir
-            old.stop()      # SIGTERM: a persistent server saves its data set on the way down
-            time.sleep(down_s)
-            self.c.redis = EmbeddedRedis(port=port, persist_dir=persist).start()
+        port, persist = old.port, old.persist_dir
+        old.stop()      # SIGTERM: a persistent server saves its data set on the way down
+        time.sleep(down_s)
+        self.c.redis = EmbeddedRedis(port=port, persist_dir=persist).start()
         return ""
 
 
-def _supervise(cluster: Any, injector: Injector, stop: threading.Event) -> None:
-    while not stop.is_set():
-        with injector.lock:
-            if not cluster.supervise():
-                return
-        stop.wait(0.2)
+class ClusterOwner(threading.Thread):
+    """The one thread that starts processes once the cluster runs (the supervisor's
+    restarts, the injector's Redis restart) and stops the cluster before it ends. A child
+    gets its parent-death signal (shared/redis_server.py ``die_with_parent``) when the
+    *thread* that started it exits: respawned from short-lived worker threads, Redis and
+    restarted ranks were killed as the load ended, before the cluster's orderly stop, and
+    every run's logs filled with the tracebacks of that."""
+
+    def __init__(self, cluster: Any, poll_s: float = 0.2) -> None:
+        super().__init__(name="chaos-owner", daemon=True)
+        self.cluster, self.poll_s = cluster, poll_s
+        self.jobs: queue.Queue = queue.Queue()
+        self.finish = threading.Event()
+
+    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.jobs.put((fut, fn, args))
+        return fut
+
+    def run(self) -> None:
+        supervising = True
+        try:
+            while not self.finish.is_set():
+                try:
+                    fut, fn, args = self.jobs.get(timeout=self.poll_s)
+                except queue.Empty:
+                    supervising = supervising and self.cluster.supervise()   # False: it gave up
+                    continue
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(*args))
+                    except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                        fut.set_exception(exc)
+        finally:
+            while not self.jobs.empty():
+                self.jobs.get_nowait()[0].cancel()
+            self.cluster.stop()
 
 
-async def _inject_all(injector: Injector, faults: list[Fault], start: float, log: list[dict[str, Any]]) -> None:
+async def _inject_all(owner: ClusterOwner, injector: Injector, faults: list[Fault], start: float,
+                      log: list[dict[str, Any]]) -> None:
     for f in faults:
         await asyncio.sleep(max(0.0, start + f.t - time.monotonic()))
-        skipped = await asyncio.to_thread(injector.apply, f)
+        skipped = await asyncio.wrap_future(owner.submit(injector.apply, f))
         log.append({**asdict(f), "at": round(time.monotonic() - start, 3), "skipped": skipped})
 
 
@@ -337,23 +369,23 @@ def run_chaos(duration_s: float, seed: int, ranks: int = 2, api_servers: int = 2
     out(f"lockstep chaos: {len(faults)} faults over {duration_s:g}s (seed {seed}); logs in {work / 'logs'}")
     cluster.start()
     injector = Injector(cluster)
-    stop = threading.Event()
-    sup = threading.Thread(target=_supervise, args=(cluster, injector, stop), name="chaos-supervisor", daemon=True)
-    sup.start()
+    owner = ClusterOwner(cluster)
+    owner.start()
     results: list[Outcome] = []
     log: list[dict[str, Any]] = []
 
     async def main() -> None:
         start = time.monotonic()
         await asyncio.gather(drive_load(cluster.api_url, seed, duration_s, concurrency, timeout_s, results),
-                             _inject_all(injector, faults, start, log))
+                             _inject_all(owner, injector, faults, start, log))
     t0 = time.monotonic()
     try:
         asyncio.run(main())
     finally:
-        stop.set()
-        sup.join(5)
-        cluster.stop()
+        owner.finish.set()
+        owner.join(120)
+        if owner.is_alive():   # stuck in a fault: stop from here (its children may be gone already)
+            cluster.stop()
     res = summarize(log, results)
     res["run"] = {"duration_s": duration_s, "seed": seed, "ranks": ranks, "api_servers": api_servers,
                   "concurrency": concurrency, "wall_s": round(time.monotonic() - t0, 1), "logs": str(work / "logs")}
