@@ -58,11 +58,15 @@ def test_expected_text_is_the_sim_backends():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_short_chaos_run_loses_and_duplicates_nothing(tmp_path):
+@pytest.mark.parametrize("options", [(), ("--dispatch", "client", "--policy", "least_tokens", "--spares", "0",
+                                          "--schedulers", "1")], ids=["default", "client-dispatch-no-standby"])
+def test_short_chaos_run_loses_and_duplicates_nothing(tmp_path, options):
     """30 s of load on a 2-rank sim cluster with one fault of each kind (rank 0 or 1 killed,
-    a rank leaving, the leader, an api-server, Redis restarted)."""
+    a rank leaving, the leader, an api-server, Redis restarted); also with the api-servers
+    placing requests, no hot spare and no standby scheduler (a dead rank's or leader's
+    process is started again)."""
     res = subprocess.run([sys.executable, "-m", "services.admin.cli", "chaos", "--duration", "30", "--seed", "1",
-                          "--json", "--work-dir", str(tmp_path / "chaos")],
+                          "--json", "--work-dir", str(tmp_path / "chaos"), *options],
                          capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert res.stdout, res.stderr[-3000:]
     out = json.loads(res.stdout)
@@ -119,3 +123,16 @@ def test_children_the_owner_thread_starts_live_until_the_cluster_stops():
     owner.finish.set()
     owner.join(30)
     assert cluster.seen == [None]        # alive when the cluster stopped
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--policy", "nope"), "unknown --policy 'nope'"),
+    (("--dispatch", "both"), "--dispatch must be 'scheduler' or 'client'"),
+    (("--dispatch", "client", "--policy", "staggered"), "needs dispatch 'scheduler'"),
+])
+def test_chaos_refuses_a_cluster_the_services_would_refuse(args, says):
+    from typer.testing import CliRunner
+
+    from services.admin.cli import app
+    res = CliRunner().invoke(app, ["chaos", "--duration", "30", *args])
+    assert res.exit_code == 2 and says in res.stderr, res.output

@@ -34,6 +34,8 @@ from typing import Any, Optional
 import orjson
 import typer
 
+from shared.policy.registry import DEFAULT_POLICY, policy_names
+
 KINDS = ("rank_kill", "rank_leave", "scheduler", "api", "redis")
 MODEL = "lockstep-moe"
 OUTCOMES = ("completed", "failed", "lost", "duplicated", "corrupt")
@@ -354,16 +356,28 @@ def render(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_chaos(duration_s: float, seed: int, ranks: int = 2, api_servers: int = 2, concurrency: int = 8,
-              every_s: float | None = None, timeout_s: float = 90.0, work_dir: str | None = None,
-              out: Any = print) -> dict[str, Any]:
-    from services.admin.up import LocalCluster, UpOptions
+def chaos_options(seed: int, ranks: int, api_servers: int, work: Path, policy: str = DEFAULT_POLICY,
+                  dispatch: str = "scheduler", spares: int = 1, schedulers: int = 2) -> Any:
+    """The chaos cluster's `up` options; ValueError (what to use instead) for a combination
+    the services refuse."""
+    from services.admin.up import UpOptions, check_options
     from shared.redis_server import free_port
 
+    opts = UpOptions(ranks=ranks, api_servers=api_servers, port=free_port(), backend="sim", namespace=f"chaos{seed}",
+                     persist_dir=str(work / "redis"), log_dir=str(work / "logs"), schedulers=schedulers,
+                     spares=spares, policy=policy, dispatch=dispatch)
+    check_options(opts)
+    return opts
+
+
+def run_chaos(duration_s: float, seed: int, ranks: int = 2, api_servers: int = 2, concurrency: int = 8,
+              every_s: float | None = None, timeout_s: float = 90.0, work_dir: str | None = None,
+              out: Any = print, policy: str = DEFAULT_POLICY, dispatch: str = "scheduler", spares: int = 1,
+              schedulers: int = 2) -> dict[str, Any]:
+    from services.admin.up import LocalCluster
+
     work = Path(work_dir or tempfile.mkdtemp(prefix="lockstep-chaos-"))
-    ns = f"chaos{seed}"
-    opts = UpOptions(ranks=ranks, api_servers=api_servers, port=free_port(), backend="sim", namespace=ns,
-                     persist_dir=str(work / "redis"), log_dir=str(work / "logs"), schedulers=2, spares=1)
+    opts = chaos_options(seed, ranks, api_servers, work, policy, dispatch, spares, schedulers)
     cluster = LocalCluster(opts, out=out)
     faults = fault_schedule(seed, duration_s, ranks, api_servers, every_s)
     out(f"lockstep chaos: {len(faults)} faults over {duration_s:g}s (seed {seed}); logs in {work / 'logs'}")
@@ -388,6 +402,7 @@ def run_chaos(duration_s: float, seed: int, ranks: int = 2, api_servers: int = 2
             cluster.stop()
     res = summarize(log, results)
     res["run"] = {"duration_s": duration_s, "seed": seed, "ranks": ranks, "api_servers": api_servers,
+                  "policy": policy, "dispatch": dispatch, "spares": spares, "schedulers": schedulers,
                   "concurrency": concurrency, "wall_s": round(time.monotonic() - t0, 1), "logs": str(work / "logs")}
     return res
 
@@ -401,6 +416,10 @@ def chaos_cmd(
     every: Optional[float] = typer.Option(None, "--every", min=1.0, help="Seconds between faults (default: <= 10, every kind at least once)."),
     timeout: float = typer.Option(90.0, "--timeout", min=5.0, help="A request unanswered this long counts as lost."),
     work_dir: Optional[str] = typer.Option(None, "--work-dir", help="Where Redis data and logs go (default: a temp dir)."),
+    policy: str = typer.Option(DEFAULT_POLICY, "--policy", help=f"Dispatch policy: {', '.join(policy_names())}."),
+    dispatch: str = typer.Option("scheduler", "--dispatch", help="scheduler (one decision maker) or client (api-servers pick)."),
+    spares: int = typer.Option(1, "--spares", min=0, help="Hot-spare engine processes (0: a dead rank's process is started again)."),
+    schedulers: int = typer.Option(2, "--schedulers", min=1, help="Scheduler processes (1: a killed leader is restarted, no standby takes over)."),
     json: bool = typer.Option(False, "--json", help="One JSON object instead of the table."),
 ) -> None:
     """Kill and restart ranks (rank 0 too), the leading scheduler, an api-server and Redis
@@ -408,6 +427,17 @@ def chaos_cmd(
     if any was lost, duplicated or corrupt."""
     from shared.redis_server import ServerNotFound
 
+    if policy not in policy_names():
+        typer.echo(f"lockstep chaos: unknown --policy {policy!r}; choose one of: {', '.join(policy_names())}", err=True)
+        raise typer.Exit(2)
+    if dispatch not in ("scheduler", "client"):
+        typer.echo(f"lockstep chaos: --dispatch must be 'scheduler' or 'client', not {dispatch!r}", err=True)
+        raise typer.Exit(2)
+    try:
+        chaos_options(seed, ranks, api_servers, Path(tempfile.gettempdir()), policy, dispatch, spares, schedulers)
+    except ValueError as exc:
+        typer.echo(f"lockstep chaos: {exc}", err=True)
+        raise typer.Exit(2) from None
     if not fault_schedule(seed, duration, ranks, api_servers, every):   # a run that would test nothing
         typer.echo(f"lockstep chaos: --duration {duration:g}{f' with --every {every:g}' if every else ''} leaves no "
                    "time for a fault between the 3 s warm-up and the cooldown; use --duration 10 or more"
@@ -415,7 +445,8 @@ def chaos_cmd(
         raise typer.Exit(2)
     try:
         res = run_chaos(duration, seed, ranks, api_servers, concurrency, every, timeout, work_dir,
-                        out=lambda m: typer.echo(m, err=True))
+                        out=lambda m: typer.echo(m, err=True), policy=policy, dispatch=dispatch, spares=spares,
+                        schedulers=schedulers)
     except (ServerNotFound, RuntimeError, TimeoutError) as exc:   # the cluster did not start
         typer.echo(f"lockstep chaos: {exc}", err=True)
         raise typer.Exit(2) from None
