@@ -73,6 +73,7 @@ def test_every_scrape_reports_the_whole_port(sim_cluster):
         assert delta("lockstep_api_requests_total", endpoint="completions", status="200") == N
         assert delta("lockstep_api_completion_tokens_total") == 5 * N
         assert _get(s, "lockstep_api_inflight") == 0
+        assert _get(s, "lockstep_api_engine_ranks") == _get(s, "lockstep_api_engine_ranks_live") > 0
         for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
             assert (gauge, tuple(m.items())) in s, gauge
 

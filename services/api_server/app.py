@@ -192,6 +192,8 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                 metrics.observe_unplaced(n)
             except Exception:  # noqa: BLE001 - metrics still served, without a fresh view
                 pass
+        if gw is not None:
+            metrics.observe_group(gw.num_ranks, gw.ranks_live)
         if gw is not None and gw.policy is not None:
             metrics.observe_policy(gw.policy)
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

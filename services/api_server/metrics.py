@@ -75,6 +75,12 @@ class ApiMetrics:
         self.rank_received = Gauge("lockstep_api_rank_dispatches_received",
                                    "Dispatch decisions a rank had received (by dispatcher) in the last snapshot",
                                    ["rank", "dispatcher"], registry=r, multiprocess_mode=last)
+        # The engine group as the replicas' heartbeats see it: live < ranks for long is an outage
+        # (the group steps only with every rank; engine_down_timeout_s then fails requests).
+        self.engine_ranks = Gauge("lockstep_api_engine_ranks", "Ranks of the engine group", registry=r,
+                                  multiprocess_mode=last)
+        self.engine_ranks_live = Gauge("lockstep_api_engine_ranks_live", "Ranks of the engine group with a heartbeat",
+                                       registry=r, multiprocess_mode=last)
         self.policy = Gauge("lockstep_api_policy", "Client-dispatch policy counters, summed over the replicas",
                             ["counter"], registry=r, multiprocess_mode="livesum")
         # vLLM's series (docs/operations.md), labelled with the served model as vLLM does
@@ -157,6 +163,12 @@ class ApiMetrics:
                 self.rank_load.labels(rk, what).set(float(v))
             for dispatcher, seq in st.recv.items():
                 self.rank_received.labels(rk, dispatcher).set(seq)
+
+    def observe_group(self, ranks: int, live: int | None) -> None:
+        """The engine group's size and how many of its ranks have a heartbeat (None: unknown)."""
+        self.engine_ranks.set(ranks)
+        if live is not None:
+            self.engine_ranks_live.set(live)
 
     def observe_unplaced(self, n: int) -> None:
         """Requests the scheduler has not placed on a rank yet (:func:`unplaced`)."""
