@@ -424,15 +424,18 @@ def test_api_server_death_aborts_its_requests_on_the_engines(tmp_path):
         cluster.stop()
 
 
-def test_rank_killed_torch_backend_no_token_missing_or_repeated(tmp_path):
+@pytest.mark.parametrize("victim, spares", [(1, 0), (0, 1)], ids=["rank1-restarted", "rank0-spare"])
+def test_rank_killed_torch_backend_no_token_missing_or_repeated(tmp_path, victim, spares):
     """Torch backend: SIGKILL a rank mid-run; each greedy stream still has exactly its
     tokens, and its text equals the same request's fault-free run (nothing missing or
-    repeated at the seam where it moved to another rank)."""
+    repeated at the seam where it moved to another rank). Rank 1 with no spare (its own
+    process is started again), and rank 0, the group's rendezvous host, with a hot spare
+    taking its slot."""
     import json
     import signal
 
-    # No spare: the dead rank's own process is started again (the path without spares).
-    cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "torch", "--spares", "0")
+    cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "torch",
+                            "--spares", str(spares))
     try:
         n, tokens = 8, 48
 
@@ -462,7 +465,7 @@ def test_rank_killed_torch_backend_no_token_missing_or_repeated(tmp_path):
             return await asyncio.gather(*(one(client, i) for i in range(n)))
 
         baseline = asyncio.run(asyncio.wait_for(fault_free(), 240))
-        victim = json.loads(cluster.cli("status", "--json").stdout)["ranks"][1]["pid"]
+        victim_pid = json.loads(cluster.cli("status", "--json").stdout)["ranks"][victim]["pid"]
 
         async def faulty():
             seen: set[int] = set()
@@ -470,7 +473,7 @@ def test_rank_killed_torch_backend_no_token_missing_or_repeated(tmp_path):
 
             async def killer():
                 await asyncio.wait_for(go.wait(), 120)
-                os.kill(victim, signal.SIGKILL)
+                os.kill(victim_pid, signal.SIGKILL)
 
             client = new_client()
             _, *texts = await asyncio.gather(killer(), *(one(client, i, seen, go) for i in range(n)))
