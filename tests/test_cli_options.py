@@ -378,3 +378,25 @@ def test_help_shows_no_value_beside_a_flag_and_up_names_its_default_policy(monke
     up_help = _cli("up", "--help").output
     assert "<int range>" in up_help or "INTEGER" in up_help      # options that take a value still say what
     assert "waterfill: the default" in up_help and "[default: waterfill]" in up_help
+
+
+# ---------------------------------------------------------------------------- status
+def _status_text(alive: list[bool]) -> str:
+    from rich.console import Console
+
+    from services.admin.status import render
+    ranks = [{"rank": i, "alive": a, "pid": 100 + i, "wave": 1, "step": 5, "waiting": 0, "running": 0, "kv_used": 0,
+              "kv_total": 10, "idle_forwards": 0, "inbox_pending": 0} for i, a in enumerate(alive)]
+    data = {"namespace": "ls", "redis_url": "redis://h:1/0", "cluster": {"ranks": len(alive)}, "ranks": ranks,
+            "scheduler": {"leader": "s", "counters": {}}, "queues": {"requests": 0}, "snapshot": None,
+            "drained": [], "spares": []}
+    console = Console(width=200, record=True)
+    console.print(render(data))
+    return console.export_text()
+
+
+def test_status_says_when_the_engine_group_is_short_of_a_rank():
+    # the group steps only with every rank: a dead one stops all serving, which the table alone hid
+    text = _status_text([True, False])
+    assert "engine group: 1 of 2 ranks live (down: 1)" in text and "--spares" in text, text
+    assert "engine group" not in _status_text([True, True])

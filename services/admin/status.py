@@ -111,4 +111,12 @@ def render(data: dict[str, Any]) -> Any:
                 + (f"snapshot wave {snap['wave']} step {snap['step']} ({snap['age_s']}s ago)" if snap else "no snapshot yet")
                 + (f"; drained ranks {data['drained']}" if data["drained"] else "")
                 + f"; hot spares ready: {len(data['spares'])}")
-    return Group(head, t, tail)
+    down = [r["rank"] for r in data["ranks"] if not r["alive"]]
+    if not down:
+        return Group(head, t, tail)
+    warn = Text(f"engine group: {len(data['ranks']) - len(down)} of {len(data['ranks'])} ranks live (down: "
+                f"{', '.join(map(str, down))}). It steps only with all of them: nothing is served until the missing "
+                "ranks are back (a hot spare takes a slot at once: `lockstep up --spares N`, `lockstep engine "
+                "--spares N`); the api-servers answer 503 once LOCKSTEP_ENGINE_DOWN_TIMEOUT_S has passed.",
+                style="bold red")
+    return Group(head, t, warn, tail)
