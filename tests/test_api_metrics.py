@@ -149,6 +149,11 @@ def test_a_dead_replicas_live_gauge_is_retired(tmp_path, monkeypatch):
     from services.api_server import metrics_dir
 
     monkeypatch.setattr(metrics_dir, "ROOT", tmp_path)
+    # ApiMetrics sets PROMETHEUS_MULTIPROC_DIR in this process: recorded unset here, so the
+    # teardown unsets it. (A delenv after it recorded the path and the teardown put it back:
+    # every cluster a later test started then shared this directory's metrics.)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")   # (a delenv of an unset name records nothing)
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
     old = tmp_path / "ns-1-100"
     old.mkdir()
     path = prepare("ns", 1, "200")
@@ -163,4 +168,9 @@ def test_a_dead_replicas_live_gauge_is_retired(tmp_path, monkeypatch):
         assert not dead.exists()
     finally:
         values.ValueClass = saved
-        monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+
+
+def test_the_multiprocess_setting_does_not_outlive_the_test_that_made_it():
+    # runs after test_a_dead_replicas_live_gauge_is_retired (file order)
+    import os
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
