@@ -219,7 +219,10 @@ class Gateway:
         if ch is None or ch.finish is not None:
             self.rank_of.pop(rid, None)
             return
-        rank = self.rank_of.pop(rid, None)
+        self._send_abort(rid, self.rank_of.pop(rid, None), reason)
+
+    def _send_abort(self, rid: str, rank: int | None, reason: str) -> None:
+        """To the rank this replica placed it on (client dispatch), else to the scheduler."""
         stream = self.keys.inbox(rank) if rank is not None else self.keys.requests
         self._enqueue(stream, encode(Abort(rid, rank, reason)), None)
 
@@ -405,9 +408,7 @@ class Gateway:
             return
         message = engine_down_message(live, self.num_ranks, now - self.down_since, self.keys.ns)
         for ch in waiting:
-            rank = self.rank_of.get(ch.id)
-            stream = self.keys.inbox(rank) if rank is not None else self.keys.requests
-            self._enqueue(stream, encode(Abort(ch.id, rank, "engine_down")), None)
+            self._send_abort(ch.id, self.rank_of.get(ch.id), "engine_down")
             ch.fail(message, "engine_unavailable")
         if self.log is not None:
             self.log.error("requests_failed_engine_down", n=len(waiting), ranks_live=live,
