@@ -136,17 +136,60 @@ async def check_reachable(url: str, timeout_s: float = 3.0) -> None:
         await client.aclose()
 
 
-async def open_service_connection(url: str, log: Any, stop: asyncio.Event) -> aioredis.Redis | None:
-    """Start-up of a service: check Redis is reachable (one clear log line if not: None),
-    connect, and let SIGTERM/SIGINT set ``stop`` for a clean shutdown."""
-    try:
-        await check_reachable(url)
-    except RedisUnreachable as exc:
-        log.error("redis_unreachable", error=str(exc))
-        return None
+async def wait_reachable(url: str, wait_s: float, *, stop: asyncio.Event | None = None,
+                         on_wait: Callable[[str, int], Any] | None = None) -> None:
+    """``check_reachable``, retried with backoff (0.5 s doubling to 5 s) for up to
+    ``wait_s`` seconds (``inf``: until it is, or until ``stop`` is set): a service
+    restarted during a Redis outage rides it out as the running ones do. ``on_wait(error,
+    attempt)`` hears each failure that is retried. Raises RedisUnreachable with the last
+    failure when the wait runs out (at once when ``wait_s`` is 0) or ``stop`` is set."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    pause, attempt = 0.5, 0
+    while True:
+        try:
+            await check_reachable(url)
+            return
+        except RedisUnreachable as exc:
+            attempt += 1
+            if redis_url_is_bad(exc) or (stop is not None and stop.is_set()) or loop.time() + pause > deadline:
+                raise
+            if on_wait is not None:
+                on_wait(str(exc), attempt)
+        if stop is None:
+            await asyncio.sleep(pause)
+        else:
+            try:
+                await asyncio.wait_for(stop.wait(), pause)
+            except asyncio.TimeoutError:
+                pass
+        pause = min(5.0, pause * 2)
+
+
+def redis_url_is_bad(exc: RedisUnreachable) -> bool:
+    """A URL that does not parse: waiting will not fix it."""
+    return str(exc).startswith("bad Redis URL")
+
+
+async def open_service_connection(url: str, log: Any, stop: asyncio.Event,
+                                  wait_s: float = 0.0) -> aioredis.Redis | None:
+    """Start-up of a service: let SIGTERM/SIGINT set ``stop`` for a clean shutdown, wait
+    up to ``wait_s`` for Redis to be reachable (one clear log line if it is not: None),
+    and connect."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
+    def waiting(error: str, attempt: int) -> None:
+        if attempt in (1, 2, 4, 8) or attempt % 32 == 0:
+            log.warning("redis_waiting", error=error, attempt=attempt, wait_s=wait_s)
+
+    try:
+        await wait_reachable(url, wait_s, stop=stop, on_wait=waiting)
+    except RedisUnreachable as exc:
+        if not stop.is_set():
+            log.error("redis_unreachable", error=str(exc))
+        return None
     return connect(url)
 
 

@@ -78,6 +78,7 @@ class Settings(BaseSettings):
     redis_url: str = Field("", description="Redis URL (redis://, rediss:// for TLS, user:password@ for ACL).")
     namespace: str = Field("ls", description="Key prefix, so several clusters can share one Redis.")
     log_level: str = Field("info", description="debug, info, warning or error.")
+    redis_wait_s: float = Field(0.0, ge=0, description="At start-up, wait this long for an unreachable Redis (retrying with backoff) before exiting with code 2; 0 (default) checks once, so a wrong URL fails fast; inf waits until it is reachable. `lockstep up` and `lockstep engine` start their processes with inf: they checked the URL themselves, so a process restarted during a Redis outage rides it out like the running ones.")
 
     @field_validator("log_level")
     @classmethod

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.admin.engine_cmd import BadOption, host_ranks, parse_ranks, ranks_text, resolve_world
+from services.admin.engine_cmd import (BadOption, EngineHost, EngineHostOptions, host_ranks, parse_ranks, ranks_text,
+                                       resolve_world)
 from shared.keys import Keys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,3 +107,21 @@ def test_sigterm_stops_the_host_and_frees_its_slot(redis_url, namespace, tmp_pat
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         r.close()
+
+
+def test_supervised_processes_wait_out_a_redis_outage(tmp_path, monkeypatch):
+    """`lockstep engine` and `lockstep up` checked the URL, so the processes they start
+    (and restart) wait for Redis instead of exiting 2: tests/test_redis_outage_restart_live.py
+    shows what an exit 2 cost. A caller's own LOCKSTEP_REDIS_WAIT_S wins."""
+    from services.admin.up import LocalCluster, UpOptions
+    from shared.settings import EngineSettings
+
+    monkeypatch.delenv("LOCKSTEP_REDIS_WAIT_S", raising=False)
+    host = EngineHost(EngineHostOptions(ranks=[0], redis_url="redis://h:1/0", advertise_addr="127.0.0.1", world=1,
+                                        log_dir=str(tmp_path)), out=lambda _: None)
+    up = LocalCluster(UpOptions(log_dir=str(tmp_path)), out=lambda _: None)
+    for env in (host.env(), up._env()):
+        assert EngineSettings.from_env(env).redis_wait_s == float("inf")
+    assert EngineSettings.from_env({}).redis_wait_s == 0     # run by hand: a wrong URL fails fast
+    monkeypatch.setenv("LOCKSTEP_REDIS_WAIT_S", "20")
+    assert EngineSettings.from_env(host.env()).redis_wait_s == 20

@@ -179,6 +179,9 @@ class EngineHost(Supervisor):
             iface = interface_of(o.advertise_addr)
             if iface and "NCCL_SOCKET_IFNAME" not in env:
                 env["NCCL_SOCKET_IFNAME"] = iface
+        # The URL was checked here: a rank restarted during a Redis outage waits it out
+        # instead of exiting 2, which stops this whole host (check_fatal).
+        env.setdefault("LOCKSTEP_REDIS_WAIT_S", "inf")
         env.update(o.extra_env)
         return env
 

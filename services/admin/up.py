@@ -159,6 +159,9 @@ class LocalCluster(Supervisor):
             "LOCKSTEP_TIME_SCALE": str(o.time_scale), "LOCKSTEP_LOG_LEVEL": o.log_level,
             "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
         })
+        # `up` checked the URL: a child restarted during a Redis outage waits it out
+        # (exiting at once would count towards the restart limit and stop the cluster).
+        env.setdefault("LOCKSTEP_REDIS_WAIT_S", "inf")
         env.update(o.extra_env)
         return env
 

@@ -12,7 +12,7 @@ import uvicorn
 
 from services.api_server.app import create_app
 from services.api_server.metrics_dir import for_cluster
-from shared.bus import RedisUnreachable, check_reachable
+from shared.bus import RedisUnreachable, wait_reachable
 from shared.settings import ApiServerSettings
 
 
@@ -41,9 +41,16 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def _waiting(settings: ApiServerSettings) -> Callable[[str, int], None]:
+    def say(error: str, attempt: int) -> None:
+        if attempt in (1, 2, 4, 8) or attempt % 32 == 0:
+            print(f"lockstep api-server: waiting for Redis (up to {settings.redis_wait_s:g} s): {error}", flush=True)
+    return say
+
+
 def main(settings: ApiServerSettings) -> int:
     try:
-        asyncio.run(check_reachable(settings.redis_url))
+        asyncio.run(wait_reachable(settings.redis_url, settings.redis_wait_s, on_wait=_waiting(settings)))
     except RedisUnreachable as exc:
         print(f"lockstep api-server: {exc}")
         return 2

@@ -76,7 +76,7 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ start-up
     async def run(self) -> int:
-        r = await open_service_connection(self.s.redis_url, self.log, self.stopping)
+        r = await open_service_connection(self.s.redis_url, self.log, self.stopping, self.s.redis_wait_s)
         if r is None:
             return 2
         self.r = r

@@ -83,7 +83,7 @@ class SchedulerService:
     dispatcher_id = property(lambda self: self.state.dispatcher_id)
 
     async def run(self) -> int:
-        r = await open_service_connection(self.s.redis_url, self.log, self.stop)
+        r = await open_service_connection(self.s.redis_url, self.log, self.stop, self.s.redis_wait_s)
         if r is None:
             return 2
         self.attach(r)
