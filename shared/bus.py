@@ -65,6 +65,34 @@ def client_name(argv: list[str] | None = None, pid: int | None = None) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", f"lockstep-{role}-{os.getpid() if pid is None else pid}")
 
 
+# The nodes of each redis+cluster:// URL that a client of this process learned from the
+# cluster (check_reachable records them at start-up): later clients start from them too,
+# so one created after the URL's only node died still finds the cluster.
+_CLUSTER_NODES: dict[str, tuple[tuple[str, int], ...]] = {}
+
+
+def _startup_nodes(target: redis_url.RedisTarget) -> list[tuple[str, int]]:
+    return list(dict.fromkeys([*target.nodes, *_CLUSTER_NODES.get(target.url, ())]))
+
+
+async def _cluster_addresses(client: Any) -> tuple[tuple[str, int], ...]:
+    """Every node of the cluster, replicas too (the client's own map has the primaries
+    only; a shard's replica is what outlives its primary)."""
+    nodes = await client.cluster_nodes()
+    out = []
+    for address, info in nodes.items():
+        host, _, port = address.partition("@")[0].rpartition(":")
+        if host and port.isdigit() and int(port) and "noaddr" not in info.get("flags", ""):
+            out.append((host, int(port)))
+    return tuple(out)
+
+
+def url_with_known_nodes(url: str) -> str:
+    """``url``, naming every cluster node learned so far (a supervisor hands this to the
+    processes it starts); any other URL as it is."""
+    return redis_url.with_nodes(url, _CLUSTER_NODES.get(url, ()))
+
+
 def connect(url: str, *, timeout_s: float | None = None, connect_timeout_s: float = 5.0,
             max_connections: int = 256) -> Any:
     """A pooled asyncio client for the deployment ``url`` names (module docstring).
@@ -78,7 +106,7 @@ def connect(url: str, *, timeout_s: float | None = None, connect_timeout_s: floa
         from redis.asyncio.cluster import ClusterNode
 
         from shared.cluster_client import AsyncCluster
-        return AsyncCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], ssl=target.tls,
+        return AsyncCluster(startup_nodes=[ClusterNode(h, p) for h, p in _startup_nodes(target)], ssl=target.tls,
                             username=target.username, password=target.password,
                             max_connections=max_connections, **common)
     from redis.asyncio.sentinel import Sentinel
@@ -104,7 +132,7 @@ def connect_sync(url: str, *, timeout_s: float | None = None, connect_timeout_s:
         from redis.cluster import ClusterNode
 
         from shared.cluster_client import SyncCluster
-        return SyncCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], ssl=target.tls,
+        return SyncCluster(startup_nodes=[ClusterNode(h, p) for h, p in _startup_nodes(target)], ssl=target.tls,
                             username=target.username, password=target.password, **common)
     from redis.sentinel import Sentinel
 
@@ -128,6 +156,8 @@ async def check_reachable(url: str, timeout_s: float = 3.0) -> None:
         raise RedisUnreachable(f"bad Redis URL {redact_url(url)}: {exc}") from None
     try:
         await asyncio.wait_for(client.ping(), timeout_s)
+        if is_cluster(client):
+            _CLUSTER_NODES[url] = await _cluster_addresses(client)
     except Exception as exc:  # noqa: BLE001 - any failure means the same to the user
         raise RedisUnreachable(
             f"cannot reach Redis at {redact_url(url)}: {exc.__class__.__name__}: {str(exc).rstrip('.')}. "

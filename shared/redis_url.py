@@ -4,7 +4,9 @@ Pure parsing; shared/bus.py builds the client. Accepted forms (TLS with ``rediss
 
 - ``redis://[user:pw@]HOST:PORT[/DB]``: one server (redis-py's own URL rules);
 - ``redis+cluster://[user:pw@]HOST:PORT[,HOST:PORT...]``: a Redis Cluster; any node will
-  do, the client learns the others (and every failover) from the cluster itself;
+  do, the client learns the others (and every failover) from the cluster itself (name
+  several: a process that starts while the only named node is down finds no cluster;
+  ``with_nodes`` adds the ones learned, for the processes a supervisor starts);
 - ``redis+sentinel://[user:pw@]HOST:PORT[,HOST:PORT...]/SERVICE_NAME[/DB]``: the primary
   that these sentinels name for SERVICE_NAME (the user and password are the data
   servers'; sentinels without auth).
@@ -13,6 +15,7 @@ Pure parsing; shared/bus.py builds the client. Accepted forms (TLS with ``rediss
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 from urllib.parse import unquote
 
 SINGLE, CLUSTER, SENTINEL = "single", "cluster", "sentinel"
@@ -81,3 +84,19 @@ def _node(text: str, url: str) -> tuple[str, int]:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise BadRedisUrl(f"bad HOST:PORT {text!r} in {url!r}")
     return host, int(port)
+
+
+def with_nodes(url: str, nodes: Iterable[tuple[str, int]]) -> str:
+    """A ``redis+cluster://`` URL that also names ``nodes`` (after its own, no repeats);
+    any other URL as it is."""
+    target = parse(url)
+    if target.kind != CLUSTER:
+        return url
+    extra = [n for n in dict.fromkeys(nodes) if n not in target.nodes]
+    if not extra:
+        return url
+    scheme, _, rest = url.partition("://")
+    userinfo, at, hostpart = rest.rpartition("@")
+    hosts, slash, tail = hostpart.partition("/")
+    named = ",".join([hosts.rstrip(","), *(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in extra)])
+    return f"{scheme}://{userinfo}{at}{named}{slash}{tail}"

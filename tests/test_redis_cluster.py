@@ -226,3 +226,58 @@ def test_data_identity_survives_failovers_but_not_an_empty_restart(rcluster):
         assert not bus.same_data(first, asyncio.run(ident(server.url)))
     finally:
         server.stop()
+
+
+def test_with_nodes_adds_the_learned_nodes_to_a_cluster_url():
+    from shared.redis_url import parse, with_nodes
+
+    url = "redis+cluster://u:p%40w@10.0.0.1:7000"
+    full = with_nodes(url, [("10.0.0.1", 7000), ("10.0.0.2", 7001), ("::1", 7002), ("10.0.0.2", 7001)])
+    assert full == "redis+cluster://u:p%40w@10.0.0.1:7000,10.0.0.2:7001,[::1]:7002"
+    assert parse(full).nodes == (("10.0.0.1", 7000), ("10.0.0.2", 7001), ("::1", 7002))
+    assert parse(full).password == "p@w"
+    assert with_nodes("redis://h:1/0", [("x", 1)]) == "redis://h:1/0"
+    assert with_nodes(url, []) == url
+
+
+@pytest.mark.timeout(300)
+def test_a_url_naming_one_node_outlives_that_node(tmp_path):
+    """A redis+cluster:// URL that names one node (a replica here). Once that node is gone
+    a client this process makes still finds the cluster through the nodes it learned, and
+    `lockstep up` gave its children a URL naming every node: a rank killed afterwards is
+    replaced (the hot spare takes its slot, a fresh spare starts and connects) and every
+    rank serves. Before, a new client or process had only the dead node to ask (a spare's
+    heartbeat raised RedisClusterUnreachableError; up stopped after 5 restarts)."""
+    import os
+    import signal
+
+    with LocalCluster(primaries=3, replicas=1) as rc:
+        only = rc.replica_of(rc.servers[0].port)
+        url = f"redis+cluster://127.0.0.1:{only}"
+        asyncio.run(bus.check_reachable(url, timeout_s=5.0))
+        assert all(f"127.0.0.1:{s.port}" in bus.url_with_known_nodes(url) for s in rc.servers)
+        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim",
+                                "--redis-url", url, namespace="lso")
+        c = None
+        try:
+            check_streams(stream_many(cluster.api_url, 4, 8, "one-before"), 4, 8, "one-before")
+            next(s for s in rc.servers if s.port == only).stop()
+            c = bus.connect_sync(url, timeout_s=2.0, connect_timeout_s=2.0)
+            assert c.ping()
+            keys = K.Keys("lso")
+            old = int(c.hget(keys.rank_info(1), "pid"))
+            os.kill(old, signal.SIGKILL)
+            spare_log = tmp_path / "state" / "lso" / "logs" / "spare-2.log"
+
+            def replaced() -> bool:
+                assert cluster.proc.poll() is None, (tmp_path / "up.out").read_text()
+                pid = int(c.hget(keys.rank_info(1), "pid") or 0)
+                return pid not in (0, old) and spare_log.exists() and "spare_waiting" in spare_log.read_text()
+            poll_until(replaced, 120, "a spare holds rank 1 and a fresh spare waits", interval=0.3)
+            check_streams(stream_many(cluster.api_url, 8, 16, "one-after"), 8, 16, "one-after")
+            assert "Traceback" not in spare_log.read_text()
+            assert cluster.proc.poll() is None
+        finally:
+            if c is not None:
+                c.close()
+            cluster.stop()

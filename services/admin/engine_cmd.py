@@ -31,7 +31,7 @@ from services.admin.cmd_common import log_level_known
 from services.admin.supervisor import Supervisor, tail
 from shared import keys as K
 from shared.advertise import AddressUnknown, route_addr
-from shared.bus import RedisUnreachable, check_reachable, connect, redact_url
+from shared.bus import RedisUnreachable, check_reachable, connect, redact_url, url_with_known_nodes
 
 # An engine that exits with 2 cannot do better on a restart: a setting it refuses, or
 # Redis unreachable at its start. One that exits with 3 found its rank's slot held by
@@ -342,6 +342,7 @@ def register(app: typer.Typer) -> None:
             wanted = (parse_ranks(ranks) if ranks else host_ranks(host_index, ranks_per_host)
                       if host_index is not None else [])
             asyncio.run(check_reachable(redis_url))
+            redis_url = url_with_known_nodes(redis_url)   # a cluster URL naming one node: every node
             world = resolve_world(wanted, world_size, asyncio.run(published_world(redis_url, namespace)))
             addr = advertise_addr or default_advertise_addr(redis_url)
         except (BadOption, RedisUnreachable, ValueError) as exc:

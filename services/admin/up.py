@@ -22,7 +22,7 @@ import httpx
 from services.admin import local_state
 from services.admin.supervisor import MAX_RESTARTS_PER_MIN, Child, Supervisor, tail
 from shared import keys as K
-from shared.bus import RedisUnreachable, check_reachable, connect, redact_url
+from shared.bus import RedisUnreachable, check_reachable, connect, redact_url, url_with_known_nodes
 from shared.redis_server import EmbeddedRedis
 
 __all__ = ["Child", "LocalCluster", "MAX_RESTARTS_PER_MIN", "UpOptions", "banner", "check_options", "served_model"]
@@ -97,6 +97,7 @@ class LocalCluster(Supervisor):
         except RedisUnreachable:
             self.stop()
             raise
+        self.url = url_with_known_nodes(self.url)   # a cluster URL naming one node: every node
         asyncio.run(self._prepare_redis())
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # Recorded before anything serves: the API answers a few seconds before every spare
