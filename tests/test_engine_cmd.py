@@ -125,3 +125,31 @@ def test_supervised_processes_wait_out_a_redis_outage(tmp_path, monkeypatch):
     assert EngineSettings.from_env({}).redis_wait_s == 0     # run by hand: a wrong URL fails fast
     monkeypatch.setenv("LOCKSTEP_REDIS_WAIT_S", "20")
     assert EngineSettings.from_env(host.env()).redis_wait_s == 20
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_counts_as_joined_only_from_a_process_of_this_host(redis_url, namespace, tmp_path):
+    """`lockstep engine` says its ranks joined once each is ready *in a process of its
+    own*: a spare on another host holding the slot (this host's rank process found it
+    taken and exited) is not this host joining. It said so before."""
+    import asyncio
+
+    from services.admin.supervisor import Child
+
+    k = Keys(namespace)
+    r = redis.Redis.from_url(redis_url)
+    mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        host = EngineHost(EngineHostOptions(ranks=[0, 1], redis_url=redis_url, advertise_addr="127.0.0.1", world=2,
+                                            namespace=namespace, log_dir=str(tmp_path)), out=lambda _: None)
+        host.children.append(Child("engine-0", mine, tmp_path / "engine-0.log"))
+        r.hset(k.dist, "gen", 3)
+        r.hset(k.rank_info(0), mapping={"ready": 1, "pid": mine.pid})
+        r.hset(k.rank_info(1), mapping={"ready": 1, "pid": 999_999_999})   # a spare elsewhere
+        assert asyncio.run(host.joined_gen()) is None
+        r.hset(k.rank_info(1), "pid", mine.pid)
+        assert asyncio.run(host.joined_gen()) == 3
+    finally:
+        mine.kill()
+        mine.wait(10)
+        r.close()

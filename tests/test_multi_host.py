@@ -218,3 +218,23 @@ def test_a_host_killed_mid_stream_is_replaced_by_a_host_of_spares(hosts):
     got = _pinned(h.api_url, 5, "after")
     assert got == {r: [5, 5] for r in range(WORLD)}, got
     assert b.poll() is None and c.poll() is None
+
+    # (d) host C started two fresh spares for the two that took slots, so the next host
+    # lost is replaced too: host B SIGKILLed, C's new spares take ranks 2-3.
+    def topped_up() -> bool:
+        return h.log("host-c").count("to keep 2 hot spares waiting") >= 2
+    poll_until(topped_up, 60, "host C started 2 fresh spares", interval=0.2)
+    gen = int(h.r.hget(h.k.dist, "gen"))
+    first = {h.rank_pid(0), h.rank_pid(1)}
+    os.killpg(b.pid, signal.SIGKILL)
+    b.wait(10)
+    del h.procs["host-b"]
+
+    def all_on_c() -> bool:
+        d = h.r.hgetall(h.k.dist)
+        pids = {h.rank_pid(r) for r in range(WORLD)}
+        return int(d.get(b"gen", 0)) > gen and d.get(b"formed") == b"1" and pids <= _engine_pids(c) and first <= pids
+    poll_until(all_on_c, 120, "host C's fresh spares took ranks 2-3", interval=0.2)
+    got = _pinned(h.api_url, 4, "after-b")
+    assert got == {r: [4, 4] for r in range(WORLD)}, got
+    assert c.poll() is None

@@ -216,18 +216,22 @@ class EngineHost(Supervisor):
         return None
 
     async def joined_gen(self) -> int | None:
-        """The group's generation once every rank of this host has joined it, else None."""
+        """The group's generation once every rank of this host has joined it (from a
+        process of this host: a spare elsewhere holding the slot is not this host's rank
+        joining), else None."""
         k = K.Keys(self.o.namespace)
         r = connect(self.url, timeout_s=2.0)
         try:
             pipe = r.pipeline(transaction=False)
             for rank in self.o.ranks:
-                pipe.hget(k.rank_info(rank), "ready")
+                pipe.hmget(k.rank_info(rank), ["ready", "pid"])
             pipe.hget(k.dist, "gen")
             res = await pipe.execute()
         finally:
             await r.aclose()
-        return int(res[-1] or 0) if all(res[:-1]) else None
+        mine = {c.proc.pid for c in self.children if c.proc.poll() is None}
+        joined = all(ready and int(pid or 0) in mine for ready, pid in res[:-1])
+        return int(res[-1] or 0) if joined else None
 
     def run(self, poll_s: float = 0.2) -> int:
         """Supervise until a signal (0, after the ranks left) or a fatal exit (1)."""

@@ -53,6 +53,7 @@ class Supervisor:
         self.children: list[Child] = []
         self.spare_env: dict[str, str] = {}
         self.spares_started = 0
+        self._next_top_up = 0.0
 
     def _spawn(self, role: str, args: list[str], env: dict[str, str]) -> None:
         log = self.log_dir / f"{role}.log"
@@ -96,8 +97,11 @@ class Supervisor:
                 pass
         if engine and self.spares > 0:
             self.children.remove(c)
-            self._spawn_spare()
             spare = f"a hot spare takes rank {rank}; " if rank is not None else ""
+            if self._waiting_spares() >= self.spares:   # already topped up (top_up_spares)
+                self.out(f"lockstep: {c.role} {how}; {spare}{self.spares} spare(s) wait already. Log: {c.log}")
+                return True
+            self._spawn_spare()
             self.out(f"lockstep: {c.role} {how}; {spare}started "
                      f"{self.children[-1].role} in its place. Log: {c.log}")
             self.children[-1].restarts = c.restarts
@@ -105,6 +109,47 @@ class Supervisor:
         c.proc = self._popen(c.args, c.env, c.log)
         self.out(f"lockstep: {c.role} {how}; restarted it. Log: {c.log}")
         return True
+
+    async def _held_slots(self, r: Any) -> dict[int, tuple[int, bytes]]:
+        """rank → (pid, token) of every rank slot held now (its alive key carries the
+        token its info names): one pipelined read."""
+        k = K.Keys(self.namespace)
+        pipe = r.pipeline(transaction=False)
+        for rank in range(self.world):
+            pipe.hmget(k.rank_info(rank), ["pid", "token"])
+            pipe.get(k.rank_alive(rank))
+        res = await pipe.execute()
+        held = {}
+        for rank in range(self.world):
+            (pid, token), alive = res[2 * rank], res[2 * rank + 1]
+            if token is not None and alive == token:
+                held[rank] = (int(pid or 0), token)
+        return held
+
+    async def held_by_pid(self) -> dict[int, int]:
+        """pid → the rank it holds, for every rank slot held now."""
+        r = connect(self.url, timeout_s=2.0)
+        try:
+            return {pid: rank for rank, (pid, _) in (await self._held_slots(r)).items()}
+        finally:
+            await r.aclose()
+
+    def _waiting_spares(self) -> int:
+        return sum(1 for c in self.children if c.role.startswith("spare-") and c.proc.poll() is None)
+
+    def top_up_spares(self, held_by_pid: dict[int, int]) -> None:
+        """A spare of this machine that took a rank slot serves that rank now: name it for
+        the rank and start a fresh spare, so ``spares`` always wait here. Without it a host
+        of spares that took a dead host's ranks had none left for the next loss."""
+        for c in self.children:
+            if c.role.startswith("spare-") and c.proc.poll() is None and c.proc.pid in held_by_pid:
+                rank = held_by_pid[c.proc.pid]
+                self.out(f"lockstep: {c.role} serves rank {rank} now; it is engine-{rank} (log {c.log})")
+                c.role = f"engine-{rank}"
+        for _ in range(self.spares - self._waiting_spares()):
+            self._spawn_spare()
+            self.out(f"lockstep: started {self.children[-1].role} to keep {self.spares} hot "
+                     f"spare{'s' * (self.spares != 1)} waiting. Log: {self.children[-1].log}")
 
     async def _release_rank(self, dead_pid: int) -> int | None:
         """The supervisor saw an engine process die: free the slot it held now instead of
@@ -114,14 +159,8 @@ class Supervisor:
         k = K.Keys(self.namespace)
         r = connect(self.url, timeout_s=2.0)
         try:
-            pipe = r.pipeline(transaction=False)
-            for rank in range(self.world):
-                pipe.hmget(k.rank_info(rank), ["pid", "token"])
-                pipe.get(k.rank_alive(rank))
-            res = await pipe.execute()
-            for rank in range(self.world):
-                (pid, token), alive = res[2 * rank], res[2 * rank + 1]
-                if int(pid or 0) == dead_pid and token is not None and alive == token:
+            for rank, (pid, token) in (await self._held_slots(r)).items():
+                if pid == dead_pid:
                     # Compare-and-delete: a spare may have taken the slot since the read.
                     if not await lease.release(r, k.rank_alive(rank), token.decode()):
                         return None
@@ -135,8 +174,9 @@ class Supervisor:
             await r.aclose()
 
     def supervise(self) -> bool:
-        """One round of the supervisor: replace the children that exited. False (and the
-        children stopped) when one keeps exiting. ``lockstep chaos`` drives it too."""
+        """One round of the supervisor: replace the children that exited and, once a
+        second, the spares that took a rank slot. False (and the children stopped) when
+        one keeps exiting. ``lockstep chaos`` drives it too."""
         for c in list(self.children):
             code = c.proc.poll()
             if code is None:
@@ -146,6 +186,14 @@ class Supervisor:
                          f"stopping. Log: {c.log}")
                 self.stop()
                 return False
+        if self.spares > 0 and time.monotonic() >= self._next_top_up:
+            self._next_top_up = time.monotonic() + 1.0
+            try:
+                held = asyncio.run(self.held_by_pid())
+            except Exception:  # noqa: BLE001 - Redis blip: looked at again in a second
+                held = None
+            if held is not None:
+                self.top_up_spares(held)
         return True
 
     def stop(self, timeout_s: float = 10.0) -> None:
