@@ -57,6 +57,8 @@ class LocalCluster(Supervisor):
         self.o = opts
         self.redis: EmbeddedRedis | None = None
         self.url = ""
+        self.started = time.time()
+        self._redis_restarts: list[float] = []     # when the embedded Redis was started again
 
     @property
     def namespace(self) -> str:
@@ -141,9 +143,18 @@ class LocalCluster(Supervisor):
         try:
             # A previous run in this namespace may have left coordination keys behind.
             await r.delete(k.dist, k.leader, k.drained, k.snapshot)
-            await r.hset(k.cluster, mapping={
+        finally:
+            await r.aclose()
+        await self._publish_cluster()
+
+    async def _publish_cluster(self) -> None:
+        """What this cluster is, in ``<ns>:cluster`` (status, the engine-down check)."""
+        o = self.o
+        r = connect(self.url)
+        try:
+            await r.hset(K.Keys(o.namespace).cluster, mapping={
                 "ranks": o.ranks, "api_servers": o.api_servers, "policy": o.policy, "dispatch": o.dispatch,
-                "backend": o.backend, "port": o.port, "started": time.time()})
+                "backend": o.backend, "port": o.port, "started": self.started})
         finally:
             await r.aclose()
 
@@ -215,6 +226,46 @@ class LocalCluster(Supervisor):
                 raise RuntimeError(f"{c.role} exited with code {code} during start-up. Last log lines:\n{last}")
 
     # ------------------------------------------------------------------ run / stop
+    def supervise(self) -> bool:
+        """The children's round (services/admin/supervisor.py), and the embedded Redis's:
+        a server that died is started again on its port, or every service would retry
+        against nothing for ever."""
+        if self.redis is not None and (self.redis.proc is None or self.redis.proc.poll() is not None):
+            if not self._restart_redis():
+                self.stop()
+                return False
+        return super().supervise()
+
+    def _restart_redis(self) -> bool:
+        """Start the embedded Redis that exited again, same port and data directory (with
+        ``--persist`` its last snapshot comes back; without it the data set is new, which
+        the api-servers notice and answer each request in flight with a retryable error).
+        False once it keeps dying (5 times in a minute)."""
+        old = self.redis
+        assert old is not None
+        code = old.proc.returncode if old.proc is not None else "(a failed restart)"
+        now = time.monotonic()
+        self._redis_restarts = [t for t in self._redis_restarts if now - t < 60] + [now]
+        if len(self._redis_restarts) > MAX_RESTARTS_PER_MIN:
+            self.out(f"lockstep: the embedded Redis keeps exiting ({MAX_RESTARTS_PER_MIN} times in a minute); "
+                     "stopping.")
+            return False
+        old.stop()
+        try:
+            self.redis = EmbeddedRedis(port=old.port, persist_dir=old.persist_dir).start()
+        except (RuntimeError, TimeoutError) as exc:
+            self.out(f"lockstep: the embedded Redis exited with code {code} and did not start again: {exc}")
+            self.redis = old   # proc None: tried again next round
+            return len(self._redis_restarts) <= MAX_RESTARTS_PER_MIN
+        data = (f"its data from {old.persist_dir}'s last snapshot" if old.persist_dir else
+                "its data lost (requests in flight fail with a retryable error; --persist keeps it)")
+        self.out(f"lockstep: the embedded Redis exited with code {code}; started it again on port {old.port}, {data}")
+        try:
+            asyncio.run(self._publish_cluster())
+        except Exception:  # noqa: BLE001 - the services work without it; status shows less
+            pass
+        return True
+
     def wait(self) -> int:
         """Block until a signal or until a child keeps dying; returns the exit code for `up`."""
         return self.wait_for_signal()
