@@ -191,7 +191,7 @@ async def wait_reachable(url: str, wait_s: float, *, stop: asyncio.Event | None 
         else:
             try:
                 await asyncio.wait_for(stop.wait(), pause)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         pause = min(5.0, pause * 2)
 

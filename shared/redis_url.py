@@ -14,8 +14,8 @@ Pure parsing; shared/bus.py builds the client. Accepted forms (TLS with ``rediss
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 from urllib.parse import unquote
 
 SINGLE, CLUSTER, SENTINEL = "single", "cluster", "sentinel"
