@@ -77,8 +77,12 @@ def _startup_nodes(target: redis_url.RedisTarget) -> list[tuple[str, int]]:
 
 async def _cluster_addresses(client: Any) -> tuple[tuple[str, int], ...]:
     """Every node of the cluster, replicas too (the client's own map has the primaries
-    only; a shard's replica is what outlives its primary)."""
-    nodes = await client.cluster_nodes()
+    only; a shard's replica is what outlives its primary). The client's map where CLUSTER
+    NODES is not allowed (an ACL, a managed service)."""
+    try:
+        nodes = await client.cluster_nodes()
+    except Exception:  # noqa: BLE001 - the primaries the client knows will do
+        return tuple((n.host, int(n.port)) for n in client.get_nodes())
     out = []
     for address, info in nodes.items():
         host, _, port = address.partition("@")[0].rpartition(":")

@@ -256,7 +256,7 @@ class LocalCluster(Supervisor):
         except (RuntimeError, TimeoutError) as exc:
             self.out(f"lockstep: the embedded Redis exited with code {code} and did not start again: {exc}")
             self.redis = old   # proc None: tried again next round
-            return len(self._redis_restarts) <= MAX_RESTARTS_PER_MIN
+            return True
         data = (f"its data from {old.persist_dir}'s last snapshot" if old.persist_dir else
                 "its data lost (requests in flight fail with a retryable error; --persist keeps it)")
         self.out(f"lockstep: the embedded Redis exited with code {code}; started it again on port {old.port}, {data}")
