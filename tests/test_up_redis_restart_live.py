@@ -9,6 +9,7 @@ import signal
 
 import psutil
 import pytest
+import redis
 
 from tests.conftest import start_cluster
 from tests.helpers import poll_until
@@ -30,6 +31,10 @@ def test_up_restarts_its_redis_and_serves_again(tmp_path, persist):
     cluster = start_cluster(tmp_path, *args, namespace="lsr")
     try:
         check_streams(stream_many(cluster.api_url, 4, 8, "before"), 4, 8, "before")
+        if persist:                       # a snapshot to come back from (else: saved each 60 s)
+            r = redis.Redis.from_url(cluster.redis_url)
+            r.save()
+            r.close()
         server = _redis_of(cluster.proc.pid)
         server.send_signal(signal.SIGKILL)
         server.wait(10)

@@ -35,7 +35,6 @@ class Child:
     log: Path
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
-    restarts: list[float] = field(default_factory=list)   # when it was restarted (recent ones)
 
 
 class Supervisor:
@@ -54,6 +53,8 @@ class Supervisor:
         self.spare_env: dict[str, str] = {}
         self.spares_started = 0
         self._next_top_up = 0.0
+        self._deaths: dict[str, list[float]] = {}   # recent deaths: per rank, per role, of the spares
+        self._spares_held_until = 0.0               # no spare started before (they kept dying)
 
     def _spawn(self, role: str, args: list[str], env: dict[str, str]) -> None:
         log = self.log_dir / f"{role}.log"
@@ -77,17 +78,17 @@ class Supervisor:
         """Replace a dead child; give up if it keeps dying. An engine process's slot is
         freed at once and announced, so a hot spare takes the rank over (the scheduler
         resumes the dead one's requests meanwhile); a fresh spare is started in its
-        place. Without spares the process starts again for its own rank."""
+        place. Without spares the process starts again for its own rank.
+
+        Deaths count per rank, whichever process held it (a rank whose every process
+        dies stops the supervisor: nothing could serve), per role for the other
+        services, and for the waiting spares together: spares that keep dying are not
+        started again for a minute, but the cluster serving without them goes on."""
         engine = c.role.startswith(("engine-", "spare-"))
         # An engine that exits 0 while the cluster runs left on purpose (SIGTERM: a rolling
         # restart of one rank); it handed its requests over and gave its slot back. Its
         # replacement is routine, not a crash: it does not count towards the limit.
         planned = engine and code == 0
-        now = time.monotonic()
-        if not planned:
-            c.restarts = [t for t in c.restarts if now - t < 60] + [now]
-        if len(c.restarts) > MAX_RESTARTS_PER_MIN:
-            return False
         how = "left the group (planned)" if planned else f"exited with code {code}"
         rank = None
         if engine:
@@ -95,16 +96,29 @@ class Supervisor:
                 rank = asyncio.run(self._release_rank(c.proc.pid))
             except Exception:  # noqa: BLE001 - the heartbeat TTL frees the slot anyway
                 pass
+        named = c.role.removeprefix("engine-")
+        held = rank if rank is not None else int(named) if c.role.startswith("engine-") and named.isdigit() else None
+        key = f"rank {held}" if held is not None else "spares" if c.role.startswith("spare-") else c.role
+        now = time.monotonic()
+        if not planned:
+            self._deaths[key] = [t for t in self._deaths.get(key, []) if now - t < 60] + [now]
+            if len(self._deaths[key]) > MAX_RESTARTS_PER_MIN:
+                if key != "spares":
+                    return False
+                self.children.remove(c)
+                self._spares_held_until = now + 60
+                self.out(f"lockstep: hot spares keep exiting (more than {MAX_RESTARTS_PER_MIN} times in a minute); "
+                         f"none started for a minute, the cluster serves on without. Log: {c.log}")
+                return True
         if engine and self.spares > 0:
             self.children.remove(c)
             spare = f"a hot spare takes rank {rank}; " if rank is not None else ""
-            if self._waiting_spares() >= self.spares:   # already topped up (top_up_spares)
-                self.out(f"lockstep: {c.role} {how}; {spare}{self.spares} spare(s) wait already. Log: {c.log}")
+            if self._waiting_spares() >= self.spares or now < self._spares_held_until:
+                self.out(f"lockstep: {c.role} {how}; {spare}Log: {c.log}")
                 return True
             self._spawn_spare()
             self.out(f"lockstep: {c.role} {how}; {spare}started "
                      f"{self.children[-1].role} in its place. Log: {c.log}")
-            self.children[-1].restarts = c.restarts
             return True
         c.proc = self._popen(c.args, c.env, c.log)
         self.out(f"lockstep: {c.role} {how}; restarted it. Log: {c.log}")
@@ -146,6 +160,8 @@ class Supervisor:
                 rank = held_by_pid[c.proc.pid]
                 self.out(f"lockstep: {c.role} serves rank {rank} now; it is engine-{rank} (log {c.log})")
                 c.role = f"engine-{rank}"
+        if time.monotonic() < self._spares_held_until:
+            return
         for _ in range(self.spares - self._waiting_spares()):
             self._spawn_spare()
             self.out(f"lockstep: started {self.children[-1].role} to keep {self.spares} hot "
@@ -182,7 +198,7 @@ class Supervisor:
             if code is None:
                 continue
             if not self._restart(c, code):
-                self.out(f"lockstep: {c.role} keeps exiting ({MAX_RESTARTS_PER_MIN} times in a minute); "
+                self.out(f"lockstep: {c.role} keeps exiting (more than {MAX_RESTARTS_PER_MIN} times in a minute); "
                          f"stopping. Log: {c.log}")
                 self.stop()
                 return False

@@ -247,17 +247,20 @@ class LocalCluster(Supervisor):
         now = time.monotonic()
         self._redis_restarts = [t for t in self._redis_restarts if now - t < 60] + [now]
         if len(self._redis_restarts) > MAX_RESTARTS_PER_MIN:
-            self.out(f"lockstep: the embedded Redis keeps exiting ({MAX_RESTARTS_PER_MIN} times in a minute); "
+            self.out(f"lockstep: the embedded Redis keeps exiting (more than {MAX_RESTARTS_PER_MIN} times in a minute); "
                      "stopping.")
             return False
         old.stop()
+        snapshot = bool(old.persist_dir) and (Path(old.persist_dir) / "dump.rdb").exists()
         try:
             self.redis = EmbeddedRedis(port=old.port, persist_dir=old.persist_dir).start()
         except (RuntimeError, TimeoutError) as exc:
             self.out(f"lockstep: the embedded Redis exited with code {code} and did not start again: {exc}")
             self.redis = old   # proc None: tried again next round
             return True
-        data = (f"its data from {old.persist_dir}'s last snapshot" if old.persist_dir else
+        data = (f"its data from {old.persist_dir}'s last snapshot" if snapshot else
+                f"its data lost: {old.persist_dir} had no snapshot yet (requests in flight fail with a retryable "
+                "error)" if old.persist_dir else
                 "its data lost (requests in flight fail with a retryable error; --persist keeps it)")
         self.out(f"lockstep: the embedded Redis exited with code {code}; started it again on port {old.port}, {data}")
         try:
