@@ -60,6 +60,7 @@ class GroupMembership:
         self.progress_t: float | None = None    # monotonic time of the step loop's last round
         self.consumer = ""                      # this incarnation's inbox consumer (prepare_streams)
         self.ran = False                        # rank 0: the group formed under it (dist's "ran")
+        self.formed_once = False                # this process has been in a formed group
 
     async def claim_rank(self) -> int:
         """Take a rank slot with SET NX PX: the first free one, or the one asked for; it
@@ -91,28 +92,46 @@ class GroupMembership:
     async def wait_as_spare(self) -> int | None:
         """Hot spare: everything is imported and connected; wait, without limit, for a rank
         slot to free and take it. ``lockstep up`` pushes the rank of a process it saw die to
-        the vacancies list (the pop wakes this at once); without a supervisor the slot frees
-        when the dead rank's alive key lapses, found at the next heartbeat's try. Only the
+        the vacancies list (the pop wakes this at once, and the slot is taken at once);
+        without a supervisor the slot frees when the dead rank's alive key lapses, and is
+        taken once it stayed free for two heartbeats (a live rank re-takes its own within one). Only the
         slots of a group that has run are taken (``ran`` in ``ls:dist``, kept while the
         group re-forms): a spare replaces ranks, it does not race the ranks still starting
         up for theirs. Returns None when asked to stop first."""
         ttl = self.s.heartbeat_ms * 3
+        beat_s = self.s.heartbeat_ms / 1000
         wanted = [self.rank] if self.rank >= 0 else list(range(self.s.ranks))
         me = self.keys.spare(self.token)
         self.log.info("spare_waiting", ranks=len(wanted))
+        free_since: dict[int, float] = {}   # rank -> when this spare first saw its slot free
+        vacant: set[int] = set()            # announced by a supervisor that saw its process die
         try:
             while not self.stopping.is_set():
                 pipe = self.r.pipeline(transaction=False)
                 pipe.set(me, f"{os.getpid()}@{socket.gethostname()}", px=ttl)
                 pipe.hget(self.keys.dist, "ran")
-                _, ran = await pipe.execute()
-                rank = await self._try_claim(wanted, ttl) if ran == b"1" else None
+                for r in wanted:
+                    pipe.exists(self.keys.rank_alive(r))
+                _, ran, *held = await pipe.execute()
+                now = time.monotonic()
+                for r, h in zip(wanted, held):
+                    if h:
+                        free_since.pop(r, None)
+                    else:
+                        free_since.setdefault(r, now)
+                # A free slot is a dead rank's once it stayed free for two heartbeats: right
+                # after a Redis restart (empty, or from a snapshot whose alive keys expired)
+                # every slot is free until its live owner's next beat, and a spare taking
+                # one then evicted a healthy rank. An announced vacancy is taken at once.
+                ready = [r for r in wanted if r in free_since and (r in vacant or now - free_since[r] >= 2 * beat_s)]
+                rank = await self._try_claim(ready, ttl) if ran == b"1" and ready else None
                 if rank is not None:
                     self.log.warning("spare_took_rank", rank=rank)
                     self.rank = rank
                     return rank
                 # A pop only says "try now": stale entries are harmless, the SET NX decides.
-                await self.r.blpop([self.keys.vacancies], timeout=self.s.heartbeat_ms / 1000)
+                popped = await self.r.blpop([self.keys.vacancies], timeout=beat_s)
+                vacant = {int(popped[1])} if popped and popped[1].isdigit() else set()
             return None
         finally:
             try:
@@ -185,6 +204,14 @@ class GroupMembership:
                         # only then, so without it a rank that died after the restart was
                         # never replaced and the group waited for it until it gave up
                         pipe.hset(self.keys.dist, "ran", 1)
+                    if self.group is not None and self.s.ranks > 1:
+                        # ... and the generation this rank's group formed under (only where
+                        # the fields are gone: a rendezvous in progress owns them). Without
+                        # them a replacement joining a paused group after the restart sent
+                        # no notice (announce_replacement), the survivors slept on, and its
+                        # requests waited for ever.
+                        pipe.hsetnx(self.keys.dist, "gen", self.gen)
+                        pipe.hsetnx(self.keys.dist, "formed", 1)
                     res = pipe.execute()
                     if stalled is not None:
                         log.error("rank_stalled", stalled_s=round(stalled, 1), bound_s=self._stall_bound_s())
@@ -266,6 +293,7 @@ class GroupMembership:
             await asyncio.to_thread(group.close)
             raise
         self.group = group
+        self.formed_once = True
         if self.rank == 0:
             # formed: this generation (reset by the next rendezvous); ran: the group has
             # run at least once, so its free slots are a spare's to take (kept across them,
@@ -319,6 +347,11 @@ class GroupMembership:
         while not self.stopping.is_set():
             self.mark_progress()
             try:
+                if not self.formed_once:
+                    # Never in a group yet (a replacement whose first rendezvous failed):
+                    # the survivors may not have heard it (a notice sent before their
+                    # heartbeats put the group's generation back after a Redis restart).
+                    await self.announce_replacement()
                 await self.form_group()
                 self.reforms += 1
                 return True
