@@ -16,6 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 class ServerNotFound(RuntimeError):
@@ -70,6 +71,7 @@ class EmbeddedRedis:
     config_file: str | None = None        # read first (a sentinel needs one it can rewrite)
     proc: subprocess.Popen | None = field(default=None, repr=False)
     _tmp: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+    _log: Any = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -91,13 +93,19 @@ class EmbeddedRedis:
                 "--maxclients", "10000", "--protected-mode", "yes", *persistence, *self.extra_args]
         # New session: a Ctrl-C in the terminal reaches `lockstep up`, which stops the server
         # last, after every service has flushed.
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        # Its log (warnings: a few lines) to an unnamed file, not a pipe nobody drains: a
+        # server that fails to start says why there (a port taken: on stdout, not stderr).
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.PIPE,
                                      start_new_session=True, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"{self.binary} exited at start (code {self.proc.returncode}): {err.strip()}")
+                self._log.seek(0)
+                out = self._log.read()[-2000:].decode(errors="replace")
+                raise RuntimeError(f"{self.binary} exited at start (code {self.proc.returncode}): "
+                                   f"{(err.strip() + ' ' + out.strip()).strip()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
@@ -120,6 +128,9 @@ class EmbeddedRedis:
                 proc.wait(timeout_s)
         if proc is not None and proc.stderr:
             proc.stderr.close()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -189,3 +189,18 @@ async def _pinned(port: int, tag: str) -> dict[int, int]:
     finally:
         await client.close()
     return dict(enumerate(got))
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_cannot_start_says_why():
+    """The embedded server's own words reach the error (a port taken: the server prints
+    it on stdout, which went nowhere, so `up`'s restart of its Redis said "exited at
+    start (code 1):" and nothing more)."""
+    import socket
+
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="Address already in use"):
+            EmbeddedRedis(port=port).start()
