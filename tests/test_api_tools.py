@@ -94,6 +94,9 @@ def test_message_of_an_output():
     req = ToolCall("required", ["json", "[]"])
     msg, finish = message(req, '[{"name": "get_time", "parameters": {"tz": "CET"}}]', "stop")
     assert finish == "tool_calls" and json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"tz": "CET"}
+    # an integer past 64 bits stays exact (orjson read it as a float: 4.189e+19, not an integer)
+    msg, _ = message(req, '[{"name": "f", "parameters": {"a": 41893536235608710000, "b": "é"}}]', "stop")
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"a": 41893536235608710000, "b": "é"}'
     assert message(req, '[{"name": "get_ti', "length") == ({"role": "assistant", "content": '[{"name": "get_ti'},
                                                            "length")
 

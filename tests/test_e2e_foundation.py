@@ -205,6 +205,11 @@ def test_oversized_body_is_413(sim_cluster):
                    headers={"content-type": "application/json"}, timeout=10)
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "request_too_large"
+    # the same without a Content-Length (chunked): the same 413 (it had code null)
+    chunks = (b"x" * (1 << 16) for _ in range(40))
+    r = httpx.post(sim_cluster.api_url + "/completions", content=chunks,
+                   headers={"content-type": "application/json"}, timeout=10)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
     # ... and the server is still up.
     assert httpx.get(sim_cluster.api_url.rsplit("/v1", 1)[0] + "/health").status_code == 200
 

@@ -75,7 +75,8 @@ class BodyLimit:
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.limit:
-                    raise ApiError(413, f"request body over {self.limit} bytes")
+                    raise ApiError(413, f"request body over {self.limit} bytes; send a smaller prompt",
+                                   code="request_too_large")
             return msg
 
         await self.app(scope, limited_receive, send)

@@ -12,12 +12,12 @@ weights.
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import orjson
 
 from services.api_server.bodies import ChatBody, NamedToolChoice, Tool
 from services.api_server.errors import ApiError
@@ -109,14 +109,14 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 def calls_of(tc: ToolCall, text: str) -> list[dict[str, Any]] | None:
     """The tool calls in a finished output (None when it does not parse: cut by max_tokens)."""
     try:
-        doc = orjson.loads(text)
-    except orjson.JSONDecodeError:
+        doc = json.loads(text)   # not orjson: it reads an integer past 64 bits as a float
+    except ValueError:
         return None
     if tc.mode == "named":
         return [_call(tc.name or "", text)]
     if not isinstance(doc, list):
         return None
-    return [_call(c["name"], orjson.dumps(c["parameters"]).decode()) for c in doc
+    return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in doc
             if isinstance(c, dict) and "name" in c and "parameters" in c]
 
 
