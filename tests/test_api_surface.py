@@ -111,13 +111,22 @@ def test_new_endpoints_in_openapi(root):
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "top_k": -1, "min_p": 0,
            "min_tokens": 0, "logit_bias": {}, "response_format": {"type": "text"}, "n": 1, "best_of": 1,
            "guided_json": None, "structured_outputs": None, "stop_token_ids": [],
-           "include_stop_str_in_output": False, "skip_special_tokens": True}
+           "include_stop_str_in_output": False, "skip_special_tokens": True,
+           "use_beam_search": False, "length_penalty": 1, "priority": 0, "return_tokens_as_token_ids": False,
+           "allowed_token_ids": None, "truncate_prompt_tokens": None}
+CHAT_NEUTRAL = {"echo": False, "add_generation_prompt": True, "continue_final_message": False,
+                "chat_template_kwargs": {}, "documents": None}
 
+# vLLM's own parameters included: a vLLM client got a 200 with them doing nothing (API probe)
 REFUSED_BOTH = [("include_stop_str_in_output", True), ("bad_words", ["x"]),
-                ("skip_special_tokens", False)]
+                ("skip_special_tokens", False), ("allowed_token_ids", [65]), ("truncate_prompt_tokens", 10),
+                ("use_beam_search", True), ("length_penalty", 0.5), ("return_tokens_as_token_ids", True),
+                ("priority", 1), ("logits_processors", ["x"]), ("guided_whitespace_pattern", " ")]
 REFUSED_COMPLETION = [("suffix", "tail")]
 REFUSED_CHAT = [("functions", [{"name": "f"}]), ("function_call", "auto"), ("store", True),
-                ("modalities", ["audio"])]
+                ("modalities", ["audio"]), ("echo", True), ("add_generation_prompt", False),
+                ("continue_final_message", True), ("chat_template", "{{x}}"),
+                ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"t": "x"}])]
 
 
 def test_neutral_values_are_accepted(client):
@@ -128,7 +137,7 @@ def test_neutral_values_are_accepted(client):
     assert r.choices[0].text == ref.choices[0].text == sim_expected_text(encode("neutral"), 12, seed=4)
     c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
                                        logprobs=False, top_logprobs=0, tool_choice="none", tools=[], store=False,
-                                       parallel_tool_calls=False, extra_body=NEUTRAL)
+                                       parallel_tool_calls=False, extra_body={**NEUTRAL, **CHAT_NEUTRAL})
     assert c.usage.completion_tokens >= 1
     s = list(client.completions.create(model=MODEL, prompt="x", max_tokens=3, stream=True,
                                        stream_options={"include_usage": True, "continuous_usage_stats": False}))

@@ -36,6 +36,25 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "reasoning_effort": ((), {"type": "null"}),
     "web_search_options": ((), {"type": "null"}),
     "store": ((False,), {"type": "boolean", "enum": [False]}),
+    # vLLM's own parameters that this server does not implement yet: a vLLM client that
+    # sends one must hear so, not get a 200 with the parameter doing nothing
+    "allowed_token_ids": ((), {"type": "null"}),
+    "truncate_prompt_tokens": ((), {"type": "null"}),
+    "use_beam_search": ((False,), {"type": "boolean", "enum": [False]}),
+    "length_penalty": ((1.0,), {"type": "number", "enum": [1.0]}),
+    "return_tokens_as_token_ids": ((False,), {"type": "boolean", "enum": [False]}),
+    "priority": ((0,), {"type": "integer", "enum": [0]}),
+    "logits_processors": ((), {"type": "null"}),
+    "guided_whitespace_pattern": ((), {"type": "null"}),
+    "add_generation_prompt": ((True,), {"type": "boolean", "enum": [True]}),
+    "continue_final_message": ((False,), {"type": "boolean", "enum": [False]}),
+    "chat_template": ((), {"type": "null"}),
+    "chat_template_kwargs": (({},), {"type": "object", "maxProperties": 0}),
+    "documents": ((), {"type": "null"}),
+}
+# Neutral-only in chat, where it does not take effect (in completions it does).
+CHAT_NEUTRAL: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
+    "echo": ((False,), {"type": "boolean", "enum": [False]}),
 }
 UNSUPPORTED_NOTE = "not supported yet: only the neutral value shown is accepted; any other value is a 400"
 
@@ -164,6 +183,14 @@ class GenerationBody(Struct, kw_only=True):
     bad_words: _neutral("bad_words") = None
     include_stop_str_in_output: _neutral("include_stop_str_in_output") = None
     skip_special_tokens: _neutral("skip_special_tokens") = None
+    allowed_token_ids: _neutral("allowed_token_ids") = None
+    truncate_prompt_tokens: _neutral("truncate_prompt_tokens") = None
+    use_beam_search: _neutral("use_beam_search") = None
+    length_penalty: _neutral("length_penalty") = None
+    return_tokens_as_token_ids: _neutral("return_tokens_as_token_ids") = None
+    priority: _neutral("priority") = None
+    logits_processors: _neutral("logits_processors") = None
+    guided_whitespace_pattern: _neutral("guided_whitespace_pattern") = None
 
 
 # A prompt: a string, token ids, or a batch of up to MAX_CHOICES of either (protocol.py
@@ -199,6 +226,12 @@ class ChatBody(GenerationBody, kw_only=True, forbid_unknown_fields=True):
     reasoning_effort: _neutral("reasoning_effort") = None
     web_search_options: _neutral("web_search_options") = None
     store: _neutral("store") = None
+    echo: Annotated[Any, Meta(description=UNSUPPORTED_NOTE, extra_json_schema=CHAT_NEUTRAL["echo"][1])] = None
+    add_generation_prompt: _neutral("add_generation_prompt") = None
+    continue_final_message: _neutral("continue_final_message") = None
+    chat_template: _neutral("chat_template") = None
+    chat_template_kwargs: _neutral("chat_template_kwargs") = None
+    documents: _neutral("documents") = None
 
 
 class TokenizeBody(Struct, kw_only=True):

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import msgspec
 
 from services.api_server import hf_text, tools
-from services.api_server.bodies import (MAX_CHOICES, MAX_STOP_LEN, NEUTRAL, ChatBody, ChatMessage, CompletionBody,
+from services.api_server.bodies import (CHAT_NEUTRAL, MAX_CHOICES, MAX_STOP_LEN, NEUTRAL, ChatBody, ChatMessage, CompletionBody,
                                         DetokenizeBody, GenerationBody, TokenizeBody)
 from services.api_server.decode import decode
 from services.api_server.errors import ApiError
@@ -68,7 +68,8 @@ def _show(v: Any) -> str:
 
 
 _WHY = {"functions": "use 'tools' and 'tool_choice'", "function_call": "use 'tools' and 'tool_choice'"}
-_NEUTRAL_OF = {typ: tuple(k for k in NEUTRAL if k in typ.__struct_fields__) for typ in (CompletionBody, ChatBody)}
+_NEUTRAL_OF = {CompletionBody: {k: v for k, v in NEUTRAL.items() if k in CompletionBody.__struct_fields__},
+               ChatBody: {**{k: v for k, v in NEUTRAL.items() if k in ChatBody.__struct_fields__}, **CHAT_NEUTRAL}}
 
 
 def _is_neutral(v: Any, neutral: tuple[Any, ...]) -> bool:
@@ -85,9 +86,8 @@ def _is_neutral(v: Any, neutral: tuple[Any, ...]) -> bool:
 
 def _unsupported(b: GenerationBody) -> None:
     """A known parameter at a non-neutral value is refused, naming the field."""
-    for name in _NEUTRAL_OF[type(b)]:
+    for name, (neutral, _) in _NEUTRAL_OF[type(b)].items():
         v = getattr(b, name)
-        neutral = NEUTRAL[name][0]
         if v is not None and not _is_neutral(v, neutral):
             why = _WHY.get(name)
             raise ApiError(400, f"'{name}' is not supported yet by this server (only the neutral value "
