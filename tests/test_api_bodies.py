@@ -107,3 +107,20 @@ def test_schema_is_the_structs():
     assert temp["number"]["minimum"] == 0 and temp["number"]["maximum"] == 2
     assert set(CHAT_SCHEMA["required"]) == {"messages", "model"}
     assert set(COMPLETION_SCHEMA["required"]) == {"model", "prompt"}
+
+
+def test_a_prompt_past_the_context_names_the_prompt_and_a_completion_past_it_names_max_tokens():
+    from services.api_server.errors import ApiError
+    from services.api_server.protocol import parse
+
+    def refused(body: dict, kind: str) -> ApiError:
+        with pytest.raises(ApiError) as err:
+            parse({"model": "m", **body}, kind, served_model="m", max_model_len=64, num_ranks=1)
+        assert err.value.code == "context_length_exceeded"
+        return err.value
+
+    assert refused({"prompt": "x" * 100, "max_tokens": 3}, "completion").param == "prompt"
+    assert refused({"messages": [{"role": "user", "content": "x" * 100}]}, "chat").param == "messages"
+    assert refused({"prompt": "x", "max_tokens": 100}, "completion").param == "max_tokens"
+    assert refused({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100},
+                   "chat").param == "max_completion_tokens"

@@ -245,7 +245,9 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
         asked = len(prompt) + (max_tokens or 1)
         raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                        f"{asked} tokens ({len(prompt)} in the prompt, {max_tokens or 1} for the completion). "
-                       "Please reduce the prompt or the completion length.", param=max_name,
+                       "Please reduce the prompt or the completion length.",
+                       # the field to shorten: the prompt when it alone does not fit
+                       param=max_name if room >= 1 else "messages" if chat else "prompt",
                        code="context_length_exceeded")
     if max_tokens is None:
         max_tokens = room if chat else min(16, room)
