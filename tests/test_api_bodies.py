@@ -124,3 +124,12 @@ def test_a_prompt_past_the_context_names_the_prompt_and_a_completion_past_it_nam
     assert refused({"prompt": "x", "max_tokens": 100}, "completion").param == "max_tokens"
     assert refused({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100},
                    "chat").param == "max_completion_tokens"
+
+
+def test_an_empty_prompt_list_says_the_prompt_is_empty():
+    from services.api_server.errors import ApiError
+    from services.api_server.protocol import parse
+
+    for prompt in ([], [[]]):
+        with pytest.raises(ApiError, match="prompt is empty"):
+            parse({"model": "m", "prompt": prompt}, "completion", served_model="m", max_model_len=64, num_ranks=1)

@@ -37,6 +37,8 @@ def completion_prompt(tok: Any, prompt: Any) -> tuple[list[int], str]:
         return list(prompt), tok.decode(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
         raise ApiError(400, "batched prompts are not supported yet; send one prompt per request", param="prompt")
+    if prompt == [] or prompt == [[]]:
+        raise ApiError(400, "the prompt is empty", param="prompt")
     raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
 
 

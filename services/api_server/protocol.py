@@ -157,6 +157,8 @@ def _prompt_tokens(prompt: Any) -> tuple[list[int], str]:
         if any(t < 0 or t > 255 for t in prompt):
             raise ApiError(400, "token ids must be bytes (0..255) for this byte-level model", param="prompt")
         return list(prompt), bytes(prompt).decode("utf-8", errors="replace")
+    if prompt == [] or prompt == [[]]:
+        raise ApiError(400, "the prompt is empty", param="prompt")
     raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
 
 
