@@ -163,7 +163,7 @@ def test_a_rank_killed_during_a_redis_outage_comes_back_and_its_host_stays_up(na
         for p in procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for name, p in procs.items():
+        for p in procs.values():
             try:
                 p.wait(40)
             except subprocess.TimeoutExpired:
