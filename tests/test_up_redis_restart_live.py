@@ -59,7 +59,9 @@ def test_up_restarts_its_redis_and_serves_again(tmp_path, persist):
         # No spare took a live rank's slot: they were all free until the ranks' next beat
         # (from a snapshot, with ran=1 and every alive key expired, the spare took one at once)
         r = redis.Redis.from_url(cluster.redis_url)
-        assert [int(r.hget(k.rank_info(i), "pid") or 0) for i in range(2)] == ranks_before, out.read_text()
+        pids = poll_until(lambda: all(p := [int(r.hget(k.rank_info(i), "pid") or 0) for i in range(2)]) and p,
+                          30, "the ranks wrote their identity again (each heartbeat does)", interval=0.1)
+        assert pids == ranks_before, out.read_text()
         r.close()
         assert "serves rank" not in out.read_text(), out.read_text()
         res = cluster.cli("status", "--json")
