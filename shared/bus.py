@@ -46,6 +46,15 @@ class RedisUnreachable(RuntimeError):
     pass
 
 
+class BadRedisUrlError(RedisUnreachable):
+    """A URL that does not parse: waiting will not fix it."""
+
+
+def worth_logging(attempt: int) -> bool:
+    """Log the 1st, 2nd, 4th and 8th failure of a retry loop, then every 32nd."""
+    return attempt in (1, 2, 4, 8) or attempt % 32 == 0
+
+
 def redact_url(url: str) -> str:
     """The URL without its password, for logs and status output."""
     if not url:
@@ -157,7 +166,7 @@ async def check_reachable(url: str, timeout_s: float = 3.0) -> None:
     try:
         client = connect(url, timeout_s=timeout_s, connect_timeout_s=timeout_s)
     except redis_url.BadRedisUrl as exc:
-        raise RedisUnreachable(f"bad Redis URL {redact_url(url)}: {exc}") from None
+        raise BadRedisUrlError(f"bad Redis URL {redact_url(url)}: {exc}") from None
     try:
         await asyncio.wait_for(client.ping(), timeout_s)
         if is_cluster(client):
@@ -186,7 +195,7 @@ async def wait_reachable(url: str, wait_s: float, *, stop: asyncio.Event | None 
             return
         except RedisUnreachable as exc:
             attempt += 1
-            if redis_url_is_bad(exc) or (stop is not None and stop.is_set()) or loop.time() + pause > deadline:
+            if isinstance(exc, BadRedisUrlError) or (stop is not None and stop.is_set()) or loop.time() + pause > deadline:
                 raise
             if on_wait is not None:
                 on_wait(str(exc), attempt)
@@ -200,11 +209,6 @@ async def wait_reachable(url: str, wait_s: float, *, stop: asyncio.Event | None 
         pause = min(5.0, pause * 2)
 
 
-def redis_url_is_bad(exc: RedisUnreachable) -> bool:
-    """A URL that does not parse: waiting will not fix it."""
-    return str(exc).startswith("bad Redis URL")
-
-
 async def open_service_connection(url: str, log: Any, stop: asyncio.Event,
                                   wait_s: float = 0.0) -> aioredis.Redis | None:
     """Start-up of a service: let SIGTERM/SIGINT set ``stop`` for a clean shutdown, wait
@@ -215,7 +219,7 @@ async def open_service_connection(url: str, log: Any, stop: asyncio.Event,
         loop.add_signal_handler(sig, stop.set)
 
     def waiting(error: str, attempt: int) -> None:
-        if attempt in (1, 2, 4, 8) or attempt % 32 == 0:
+        if worth_logging(attempt):
             log.warning("redis_waiting", error=error, attempt=attempt, wait_s=wait_s)
 
     try:
@@ -305,7 +309,7 @@ async def retrying(op: Callable[[], Awaitable[T]], *, log: Any = None, what: str
                 raise exc
         if give_up_s is not None and now - started > give_up_s:
             raise exc
-        if log is not None and (n in (1, 2, 4, 8) or n % 32 == 0):
+        if log is not None and worth_logging(n):
             log.warning("redis_unavailable", what=what, error=str(exc), attempt=n)
 
     result = await _RETRY.call_with_retry(attempt, fail, is_retryable=_retryable, with_failure_count=True)

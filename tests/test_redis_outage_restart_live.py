@@ -20,7 +20,7 @@ import psutil
 import pytest
 import redis
 
-from shared.bus import RedisUnreachable, wait_reachable
+from shared.bus import BadRedisUrlError, RedisUnreachable, wait_reachable
 from shared.keys import Keys
 from shared.redis_server import EmbeddedRedis, free_port
 from tests.helpers import poll_until
@@ -73,7 +73,7 @@ def test_wait_reachable_gives_up_at_once_without_a_wait_or_when_stopped():
     async def main() -> None:
         with pytest.raises(RedisUnreachable, match="cannot reach Redis"):
             await wait_reachable(url, 0.0, on_wait=lambda *_: pytest.fail("no wait was asked for"))
-        with pytest.raises(RedisUnreachable, match="bad Redis URL"):   # waiting cannot fix a typo
+        with pytest.raises(BadRedisUrlError, match="bad Redis URL"):   # waiting cannot fix a typo
             await wait_reachable("redis+nonsense://x", float("inf"))
         stop = asyncio.Event()
         task = asyncio.create_task(wait_reachable(url, float("inf"), stop=stop, on_wait=lambda *_: stop.set()))

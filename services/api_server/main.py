@@ -12,7 +12,7 @@ import uvicorn
 
 from services.api_server.app import create_app
 from services.api_server.metrics_dir import for_cluster
-from shared.bus import RedisUnreachable, wait_reachable
+from shared.bus import RedisUnreachable, wait_reachable, worth_logging
 from shared.settings import ApiServerSettings
 
 
@@ -43,7 +43,7 @@ class _Server(uvicorn.Server):
 
 def _waiting(settings: ApiServerSettings) -> Callable[[str, int], None]:
     def say(error: str, attempt: int) -> None:
-        if attempt in (1, 2, 4, 8) or attempt % 32 == 0:
+        if worth_logging(attempt):
             print(f"lockstep api-server: waiting for Redis (up to {settings.redis_wait_s:g} s): {error}", flush=True)
     return say
 
