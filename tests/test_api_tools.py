@@ -59,6 +59,8 @@ BAD = {"type": "function", "function": {"name": "f", "parameters": {"type": "non
     ({"tools": [WEATHER]}, "tool_choice"),                                  # auto by default: no parser
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),                                # no tools: OpenAI's 400, not a 200
+    ({"tools": [], "tool_choice": "auto"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools[0]"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),

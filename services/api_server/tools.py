@@ -51,14 +51,12 @@ def parse_tools(body: ChatBody) -> tuple[list[dict[str, Any]], ToolCall | None]:
         choice = "auto" if tools else "none"
     if choice == "none":
         return tools, None
+    if not tools:   # OpenAI's rule too: any choice but "none" names a tool that is not there
+        raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
     if choice == "auto":
-        if not tools:
-            return tools, None
         raise ApiError(400, "\"auto\" tool choice needs a tool call parser, which this server does not have (as "
                        "vLLM without --enable-auto-tool-choice); send tool_choice \"required\", a named function "
                        "or \"none\"", param="tool_choice")
-    if not tools:
-        raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
     if choice == "required":
         for i, t in enumerate(tools):
             _check_schema(i, t)
