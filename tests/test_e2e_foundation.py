@@ -52,6 +52,28 @@ def test_completion_non_stream(client):
     assert r.choices[0].text == sim_expected_text(encode("The lockstep step"), 24, seed=7)
 
 
+def test_x_request_id_is_echoed_or_names_the_completion(sim_cluster, client):
+    # the client's correlation id comes back on every answer (it was dropped); without one,
+    # the header names the completion's own id
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        extra_headers={"X-Request-Id": "trace-42"})
+    assert raw.headers["x-request-id"] == "trace-42" and raw.parse().choices
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=4)
+    assert raw.headers["x-request-id"] == raw.parse().id
+    with httpx.stream("POST", sim_cluster.api_url + "/completions", headers={"x-request-id": "s-1"},
+                      json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True}, timeout=30) as r:
+        assert r.headers["x-request-id"] == "s-1" and r.read().endswith(b"data: [DONE]\n\n")
+    r = httpx.post(sim_cluster.api_url + "/completions", content=b"{", headers={"x-request-id": "bad-1"}, timeout=10)
+    assert r.status_code == 400 and r.headers["x-request-id"] == "bad-1"
+    r = httpx.post(sim_cluster.api_url + "/completions", content=b"x" * (2 << 20),
+                   headers={"x-request-id": "big-1", "content-type": "application/json"}, timeout=10)
+    assert r.status_code == 413 and r.headers["x-request-id"] == "big-1"
+    r = httpx.post(sim_cluster.api_url + "/completions", headers={"x-request-id": "x" * 300},
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-request-id"] == r.json()["id"]   # too long: not echoed
+
+
 def test_completion_stream_matches_non_stream(client):
     prompt = "stream me"
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, seed=3, stream=True,

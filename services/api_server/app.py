@@ -59,7 +59,6 @@ class BodyLimit:
 
     def __init__(self, app: Any, limit: int) -> None:
         self.app, self.limit = app, limit
-        self.begin_close: Callable[[], None] = lambda: None   # what the server calls as shutdown begins (create_app's)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -85,6 +84,45 @@ class BodyLimit:
         resp = error_response(413, f"request body over {self.limit} bytes; send a smaller prompt",
                               code="request_too_large")
         await resp(scope, receive, send)
+
+
+class RequestIdHeader:
+    """Pure ASGI middleware: every response carries ``X-Request-Id`` — the client's own
+    (vLLM's and most proxies' correlation header) where it sent a usable one, else, on a
+    generation request, the id of its completion (``id`` in the body), so a log line, a
+    trace and a client's report name the same request."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.begin_close: Callable[[], None] = lambda: None   # what the server calls as shutdown begins (create_app's)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = client_request_id(scope)
+
+        async def send_with_id(msg: dict) -> None:
+            if msg["type"] == "http.response.start":
+                value = given or scope.get(SCOPE_RID)
+                if value is not None:
+                    msg["headers"] = [*msg.get("headers", ()), (b"x-request-id", value.encode())]
+            await send(msg)
+
+        await self.app(scope, receive, send_with_id)
+
+
+SCOPE_RID = "lockstep.request_id"   # where the generation handler leaves its completion's id
+
+
+def client_request_id(scope: dict) -> str | None:
+    """The client's X-Request-Id, if it is one header line of at most 256 visible ASCII
+    characters (anything else is not echoed: it could split or bloat the response)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            if 0 < len(value) <= 256 and all(0x21 <= c <= 0x7E for c in value):
+                return value.decode()
+            return None
+    return None
 
 
 def _internal_error(log: Any, exc: Exception) -> Response:
@@ -281,12 +319,14 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
     async def _run(request: HttpRequest, p: ParsedRequest, gw: Gateway) -> Response:
         prefix = "chatcmpl-" if p.kind == "chat" else "cmpl-"
         rid = prefix + uuid.uuid4().hex
+        request.scope[SCOPE_RID] = rid   # the X-Request-Id of the response where the client sent none
         if p.multi:
             return await run_multi(request, p, gw, rid, api_id, settings, metrics)
         now = time.time()
         req = Request(id=rid, api=api_id, prompt=p.prompt, params=p.params, arrival=now, rank=p.rank)
         metrics.prompt_tokens.inc(len(p.prompt))
-        log.debug("request_accepted", request_id=rid, prompt_tokens=len(p.prompt), max_tokens=p.params.max_tokens,
+        log.debug("request_accepted", request_id=rid, client_request_id=client_request_id(request.scope),
+                  prompt_tokens=len(p.prompt), max_tokens=p.params.max_tokens,
                   stream=p.stream, rank=p.rank)
         ch = gw.submit(req)
         # Let the gateway put the request on the wire before this task builds the response.
@@ -465,7 +505,8 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
     app.state.metrics = metrics
     hot = HotPaths(app, {"/v1/completions": lambda request: handle(request, "completion"),
                          "/v1/chat/completions": lambda request: handle(request, "chat")}, log)
-    wrapped = BodyLimit(hot, limit=settings.max_body_bytes)
+    limited = BodyLimit(hot, limit=settings.max_body_bytes)
+    wrapped = RequestIdHeader(limited)   # outermost: a 413 from the body limit carries the id too
 
     def begin_close() -> None:
         """Shutdown began (called from uvicorn's signal handler): the gateway's grace
