@@ -11,7 +11,7 @@ import pytest
 from services.api_server.bodies import CHAT_SCHEMA, COMPLETION_SCHEMA, ChatBody, CompletionBody
 from services.api_server.decode import decode
 from services.api_server.errors import ApiError
-from services.api_server.protocol import parse
+from services.api_server.protocol import END_OF_TURN, parse
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -133,3 +133,15 @@ def test_an_empty_prompt_list_says_the_prompt_is_empty():
     for prompt in ([], [[]]):
         with pytest.raises(ApiError, match="prompt is empty"):
             parse({"model": "m", "prompt": prompt}, "completion", served_model="m", max_model_len=64, num_ranks=1)
+
+
+def test_the_byte_models_chat_ends_at_the_next_role_tag():
+    # it never saw EOS, so its turns ran to max_tokens; the tag that opens the next turn ends one
+    def chat(**extra):
+        return parse({"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}, "chat",
+                     served_model="m", max_model_len=4096, num_ranks=1).params.stop
+    assert chat() == [END_OF_TURN] and chat(stop="x") == ["x", END_OF_TURN]
+    assert chat(ignore_eos=True) == []                                  # asked to run on
+    assert chat(response_format={"type": "json_object"}) == []          # a grammar ends it
+    assert parse({"model": "m", "prompt": "hi"}, "completion", served_model="m", max_model_len=4096,
+                 num_ranks=1).params.stop == []                         # raw text: no turns

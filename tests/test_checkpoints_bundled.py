@@ -62,5 +62,11 @@ def test_lockstep_up_without_a_model_answers_readable_text(tmp_path):
         r = client.chat.completions.create(model="lockstep-moe", temperature=0, max_tokens=60,
                                            messages=[{"role": "user", "content": "What does os.path.join do?"}])
         assert readable(r.choices[0].message.content), r.choices[0].message.content
+        # its turns end where it opens the next turn's tag (it ran to max_tokens: it never saw EOS)
+        ends = [client.chat.completions.create(model="lockstep-moe", temperature=0, max_tokens=200,
+                                               messages=[{"role": "user", "content": q}]).choices[0]
+                for q in ("hi", "What does time.sleep do?", "Explain os.getcwd.")]
+        assert "stop" in [c.finish_reason for c in ends], [c.message.content for c in ends]
+        assert all("\n<|" not in c.message.content for c in ends)
     finally:
         cluster.stop()

@@ -59,6 +59,11 @@ def chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = 
     return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
+# Where the byte model's chat turn ends: it never saw EOS, and was trained on turns that
+# the next turn's role tag follows (scripts/train-bundled-model), so a new line opening a
+# tag is its end of turn (it writes "<|user|>", "<|assistant|>" or a garbled tag there).
+END_OF_TURN = "\n<|"
+
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}" \
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 
@@ -299,6 +304,8 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
             if on:
                 raise ApiError(400, f"'{name}' cannot be combined with structured output ('{g[0]}')", param=name)
         params.guide = g[1]
+    elif chat and tok is None and not params.ignore_eos:
+        params.stop = [*params.stop, END_OF_TURN]   # a checkpoint's own EOS ends its turns (checkpoint_stops)
     n = 1 if b.n is None else b.n
     best_of = n if b.best_of is None else b.best_of
     if best_of < n:
