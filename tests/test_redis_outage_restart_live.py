@@ -204,3 +204,41 @@ def test_a_server_that_cannot_start_says_why():
         taken.listen()
         with pytest.raises(RuntimeError, match="Address already in use"):
             EmbeddedRedis(port=port).start()
+
+
+@pytest.mark.timeout(90)
+def test_an_api_server_started_during_an_outage_answers_503_until_redis_is_back(tmp_path):
+    """It used to bind its port only once Redis was back: its clients got "connection
+    refused" (nothing there) instead of a retryable 503 that says why."""
+    import httpx
+
+    redis_port, api_port = free_port(), free_port()
+    env = {**os.environ, "LOCKSTEP_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0", "LOCKSTEP_REDIS_WAIT_S": "60",
+           "LOCKSTEP_PORT": str(api_port), "LOCKSTEP_HOST": "127.0.0.1", "LOCKSTEP_NAMESPACE": "waitroom"}
+    api = subprocess.Popen([sys.executable, "-m", "services.admin.cli", "api-server"], env=env, cwd=ROOT,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{api_port}"
+    server = EmbeddedRedis(port=redis_port)
+    try:
+        def answered() -> httpx.Response | None:
+            try:
+                return httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=5)
+            except httpx.TransportError:
+                return None
+        r = poll_until(answered, 30, "the api-server's port answering during the outage")
+        assert r.status_code == 503 and r.headers["retry-after"] == "5", r.text
+        assert r.json()["error"]["code"] == "redis_unavailable" and "retry" in r.json()["error"]["message"]
+        assert httpx.get(base + "/health", timeout=5).status_code == 503
+        server.start()
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(base + "/health", timeout=5).json().get("status") == "ok"
+            except (httpx.TransportError, ValueError):
+                return False
+        poll_until(healthy, 40, "the api-server serving once Redis is back")
+        assert api.poll() is None
+    finally:
+        api.terminate()
+        api.wait(20)
+        server.stop()

@@ -12,7 +12,8 @@ import uvicorn
 
 from services.api_server.app import create_app
 from services.api_server.metrics_dir import for_cluster
-from shared.bus import RedisUnreachable, wait_reachable, worth_logging
+from services.api_server.waiting_room import WaitingRoom
+from shared.bus import BadRedisUrlError, RedisUnreachable, wait_reachable, worth_logging
 from shared.settings import ApiServerSettings
 
 
@@ -48,16 +49,33 @@ def _waiting(settings: ApiServerSettings) -> Callable[[str, int], None]:
     return say
 
 
-def main(settings: ApiServerSettings) -> int:
+async def _wait_for_redis(settings: ApiServerSettings, sock: socket.socket) -> None:
+    """Return once Redis is reachable. While a replica allowed to wait (``redis_wait_s``)
+    does, its port answers 503 ``redis_unavailable`` rather than refusing connections."""
     try:
-        asyncio.run(wait_reachable(settings.redis_url, settings.redis_wait_s, on_wait=_waiting(settings)))
+        await wait_reachable(settings.redis_url, 0)
+        return
     except RedisUnreachable as exc:
-        print(f"lockstep api-server: {exc}")
-        return 2
+        if isinstance(exc, BadRedisUrlError) or settings.redis_wait_s <= 0:
+            raise
+    room = WaitingRoom(sock, settings.redis_url, settings.max_body_bytes)
+    await room.open()
+    try:
+        await wait_reachable(settings.redis_url, settings.redis_wait_s, on_wait=_waiting(settings))
+    finally:
+        await room.close()
+
+
+def main(settings: ApiServerSettings) -> int:
     try:
         sock = reuseport_socket(settings.host, settings.port)
     except OSError as exc:
         print(f"lockstep api-server: cannot listen on {settings.host}:{settings.port}: {exc}")
+        return 2
+    try:
+        asyncio.run(_wait_for_redis(settings, sock))
+    except RedisUnreachable as exc:
+        print(f"lockstep api-server: {exc}")
         return 2
     try:
         metrics_dir = asyncio.run(for_cluster(settings.redis_url, settings.namespace, settings.port))
