@@ -43,12 +43,18 @@ class Result:
     status: int = 0             # the HTTP status (0: no response)
 
 
+def stream_complete(done_marker: bool, tokens: int, asked: int) -> bool:
+    """Whether a benchmark stream completed: it ended with ``[DONE]`` and its usage counts
+    every token asked (the bench sends ``ignore_eos``)."""
+    return done_marker and tokens == asked
+
+
 async def stream_one(client: Any, base: str, model: str, it: Item, i: int) -> Result:
     res = Result(i)
     body = {"model": model, "prompt": prompt_text(it.prompt_tokens, i), "max_tokens": it.output_tokens,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0}
     res.sent, res.sent_wall = time.perf_counter(), time.time()
-    last = 0.0
+    last, finished = 0.0, False
     try:
         async with client.stream("POST", base + "/completions", json=body) as resp:
             res.status = resp.status_code
@@ -61,6 +67,7 @@ async def stream_one(client: Any, base: str, model: str, it: Item, i: int) -> Re
                     continue
                 data = line[6:]
                 if data == "[DONE]":
+                    finished = True
                     break
                 doc = json.loads(data)
                 if "error" in doc:
@@ -79,7 +86,12 @@ async def stream_one(client: Any, base: str, model: str, it: Item, i: int) -> Re
                     last = now
         res.done = time.perf_counter()
         res.e2e = res.done - res.sent
-        res.ok = True
+        # a stream cut before [DONE], or short of the tokens asked (ignore_eos: all of
+        # them), did not complete: it must not count as a completed request
+        res.ok = stream_complete(finished, res.tokens, it.output_tokens)
+        if not res.ok:
+            res.error = ("the stream ended without [DONE]" if not finished else
+                         f"the stream ended after {res.tokens} of {it.output_tokens} tokens")
     except Exception as exc:  # noqa: BLE001 - one failed request is a figure, not a crash
         res.error = f"{exc.__class__.__name__}: {exc}"
     return res
