@@ -38,6 +38,16 @@ def test_the_in_flight_bound_counts_every_choice_of_a_request():
     with pytest.raises(ApiError) as e:
         admit(_gw(0.0, inflight=98), _settings(), need=3)
     assert "needs 3 of 100" in e.value.message and e.value.headers == {"Retry-After": "1"}
+    # more slots than the bound: no retry could ever be admitted, so a 400, not a 429
+    with pytest.raises(ApiError) as e:
+        admit(_gw(0.0), _settings(), need=101)
+    assert e.value.status == 400 and e.value.param == "n" and "max_inflight (100)" in e.value.message
+
+
+def test_a_timeout_has_a_code():
+    from services.api_server.admission import ran_out
+    reason, err = ran_out(SimpleNamespace(closing=False), 15.0)
+    assert reason == "timeout" and err.status == 504 and err.code == "request_timeout"
 
 
 def test_a_group_short_of_a_rank_for_longer_than_the_timeout_is_a_503_that_says_so():

@@ -174,3 +174,22 @@ def test_the_multiprocess_setting_does_not_outlive_the_test_that_made_it():
     # runs after test_a_dead_replicas_live_gauge_is_retired (file order)
     import os
     assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+
+
+def test_a_client_gone_mid_body_is_a_counted_499_not_an_unhandled_error(sim_cluster):
+    # it was an ERROR "unhandled_error ClientDisconnect()" and a 500 built for nobody, in no metric
+    import socket
+    from urllib.parse import urlsplit
+
+    root = sim_cluster.api_url.rsplit("/v1", 1)[0]
+    url = urlsplit(root)
+    before = _scrape(root)
+    for _ in range(4):
+        with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 100\r\n\r\n{\"model\": ")
+    def gone() -> bool:
+        s = _scrape(root)
+        return _get(s, "lockstep_api_requests_total", endpoint="completions", status="499") \
+            - _get(before, "lockstep_api_requests_total", endpoint="completions", status="499") == 4
+    poll_until(gone, 15, "four 499s counted")

@@ -32,7 +32,8 @@ def ran_out(gw: Any, timeout_s: float) -> tuple[str, ApiError]:
     both say to retry."""
     if gw.closing:
         return "shutdown", ApiError(503, SHUTTING_DOWN, code="shutting_down")
-    return "timeout", ApiError(504, f"no completion within {timeout_s:g}s; retry later")
+    return "timeout", ApiError(504, f"no completion within {timeout_s:g}s (the api-server's request_timeout_s); "
+                                    "retry later", code="request_timeout")
 
 
 def not_completed(ch: Any) -> ApiError:
@@ -51,9 +52,13 @@ def admit(gw: Any, settings: Any, need: int = 1) -> None:
         message = engine_down_message(gw.ranks_live or 0, gw.num_ranks, down_s, gw.keys.ns)
         raise ApiError(503, message + "; retry after the Retry-After delay", code="engine_unavailable",
                        headers={"Retry-After": str(ENGINE_DOWN_RETRY_AFTER_S)})
+    if need > settings.max_inflight:   # never admissible: retrying cannot help, so not a 429
+        raise ApiError(400, f"this request needs {need} in-flight slots (prompts x n, or best_of), more than this "
+                       f"server's max_inflight ({settings.max_inflight}); send fewer choices or prompts per request",
+                       param="n")
     wait, bound = gw.queue_wait_s, settings.max_queue_wait_s
     if bound > 0 and wait is not None and wait > bound:
-        raise ApiError(429, f"server busy: requests are waiting {wait:.0f} s in the scheduler's queue, longer than "
+        raise ApiError(429, f"server busy: requests are waiting {wait:.1f} s in the scheduler's queue, longer than "
                        f"this server's max_queue_wait_s ({bound:g} s); retry after the Retry-After delay",
                        code="overloaded", headers={"Retry-After": str(retry_after_s(wait, bound))})
     if len(gw.channels) + need > settings.max_inflight:

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 import orjson
 from fastapi import FastAPI, Request as HttpRequest
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from services.api_server.admission import admit, not_completed, ran_out
@@ -313,6 +314,9 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         except ApiError as exc:
             metrics.requests.labels(endpoint, str(exc.status)).inc()
             return exc.response()
+        except ClientDisconnect:   # gone before its body was whole: nothing to answer (it was a logged 500)
+            metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
         metrics.requests.labels(endpoint, str(resp.status_code)).inc()
         return resp
 
