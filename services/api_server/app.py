@@ -295,7 +295,13 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
             trace.mark("http_in")
         try:
             check_auth(request)
-            raw = await request.body()
+            try:
+                async with asyncio.timeout(settings.read_timeout_s):
+                    raw = await request.body()
+            except TimeoutError:
+                raise ApiError(408, f"the request body did not arrive within {settings.read_timeout_s:g} s "
+                               "(read_timeout_s); send it again", code="request_timeout",
+                               headers={"Connection": "close"}) from None
             gw: Gateway = state["gw"]
             parsed = parse(raw, kind, served_model=settings.model, max_model_len=settings.max_model_len,
                            num_ranks=gw.num_ranks, header_rank=request.headers.get("x-data-parallel-rank"),

@@ -12,6 +12,7 @@ import uvicorn
 
 from services.api_server.app import create_app
 from services.api_server.metrics_dir import for_cluster
+from services.api_server.read_timeout import protocol_with_head_timeout
 from services.api_server.waiting_room import WaitingRoom
 from shared.bus import BadRedisUrlError, RedisUnreachable, wait_reachable, worth_logging
 from shared.settings import ApiServerSettings
@@ -85,7 +86,8 @@ def main(settings: ApiServerSettings) -> int:
     app = create_app(settings, metrics_dir)
     # uvicorn cuts what is still open this long after the signal: past our own grace, by
     # which time every request has had its 503
-    config = uvicorn.Config(app, loop="uvloop", http="httptools", log_level="warning", access_log=False,
+    config = uvicorn.Config(app, loop="uvloop", http=protocol_with_head_timeout(settings.read_timeout_s),
+                            log_level="warning", access_log=False,
                             timeout_graceful_shutdown=settings.shutdown_grace_s + 2, backlog=4096,
                             timeout_keep_alive=30)
     server = _Server(config, on_exit=app.begin_close)
