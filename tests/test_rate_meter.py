@@ -1,4 +1,4 @@
-"""The decaying rate behind coordinated prefill's lone share (services/engine_worker/rate_meter.py)."""
+"""The decaying rate behind coordinated prefill's lone share (shared/rate_meter.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from services.engine_worker.rate_meter import RateMeter
+from shared.rate_meter import RateMeter
 
 
 def test_nothing_added_reads_zero():

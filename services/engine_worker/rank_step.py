@@ -19,7 +19,7 @@ from typing import Any
 from services.engine_worker.batch_gate import BatchGate, batch_number
 from services.engine_worker.busy_meter import BusyMeter
 from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
-from services.engine_worker.rate_meter import RateMeter
+from shared.rate_meter import RateMeter
 from services.engine_worker.step_view import (F_ALIGN, F_ARRIVED, F_BUSY, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST,
                                              F_QUEUED, F_RELEASE, F_TOKENS, Action, StepView)
 from services.engine_worker.sequence import Sequence
