@@ -8,7 +8,7 @@ import pytest
 from services.api_server.admission import admit, retry_after_s
 from services.api_server.errors import ApiError
 from services.api_server.gateway import QUEUE_VIEW_FRESH_S, queue_wait_s
-from services.scheduler.step_publisher import queue_wait_ms
+from services.scheduler.step_publisher import queue_eta_ms, queue_wait_ms
 from shared.policy.base import RequestInfo
 from shared.policy.registry import make_policy
 from shared.stats import RankStats, Snapshot
@@ -81,3 +81,14 @@ def test_the_scheduler_publishes_how_long_its_oldest_unplaced_request_has_waited
     assert p.submit(RequestInfo("a", 100, 16, 3.0), 3.0) == [] and p.submit(RequestInfo("b", 100, 16, 4.0), 4.0) == []
     assert queue_wait_ms(p, 10.0) == 7000              # the oldest, not the newest
     assert queue_wait_ms(make_policy("least_score", ranks=[0]), 10.0) == 0   # places at once: no queue
+
+
+def test_the_bound_reads_a_new_requests_expected_wait_not_the_heads_past_one():
+    # 30 ahead, the ranks taking 2 a second: a new request waits ~15 s, though the oldest has
+    # waited only 1 s (admission used that, so it refused too late, then until the queue was empty)
+    assert queue_eta_ms(30, 2.0, 1000) == 15000
+    assert queue_eta_ms(2, 20.0, 9000) == 100        # the head waited long, but the queue is nearly gone
+    assert queue_eta_ms(0, 0.0, 0) == 0
+    assert queue_eta_ms(5, 0.0, 4000) == 4000        # nothing placed lately: the head's wait
+    with pytest.raises(ApiError):
+        admit(_gw(queue_wait_s(str(queue_eta_ms(30, 2.0, 1000)).encode(), b"100.0", 100.0)), _settings())

@@ -3,9 +3,9 @@
 An engine group short of a rank for longer than ``engine_down_timeout_s`` (it steps only
 with all of them) answers 503 (code ``engine_unavailable``) at once: nothing could serve
 the request. Then two bounds, both settings of the api-server: ``max_queue_wait_s`` —
-while the scheduler's longest-waiting unplaced request has waited longer than this (as it
-publishes with each snapshot, read once a second by the replica's heartbeat), a new
-request would only wait longer still, so it is refused; and ``max_inflight`` — requests
+while a new request would wait longer than this unplaced (the scheduler's estimate, the
+requests ahead over the rate the ranks take them, published with each snapshot and read
+once a second by the replica's heartbeat), it is refused; and ``max_inflight`` — requests
 in flight on this replica.
 Above capacity the first bound holds TTFT near ``max_queue_wait_s`` plus the prefill, where
 the second alone would let it grow to ``replicas x max_inflight / capacity``."""
@@ -58,8 +58,8 @@ def admit(gw: Any, settings: Any, need: int = 1) -> None:
                        param="n")
     wait, bound = gw.queue_wait_s, settings.max_queue_wait_s
     if bound > 0 and wait is not None and wait > bound:
-        raise ApiError(429, f"server busy: requests are waiting {wait:.1f} s in the scheduler's queue, longer than "
-                       f"this server's max_queue_wait_s ({bound:g} s); retry after the Retry-After delay",
+        raise ApiError(429, f"server busy: a new request would wait about {wait:.1f} s in the scheduler's queue, "
+                       f"longer than this server's max_queue_wait_s ({bound:g} s); retry after the Retry-After delay",
                        code="overloaded", headers={"Retry-After": str(retry_after_s(wait, bound))})
     if len(gw.channels) + need > settings.max_inflight:
         what = f"{settings.max_inflight} requests in flight" if need == 1 else \

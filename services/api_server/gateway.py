@@ -145,7 +145,7 @@ class Gateway:
         self.num_ranks = 1
         self.redis_ok = True
         self.run_id = ""
-        self.queue_wait_s: float | None = None   # the scheduler's queue, as of the last heartbeat
+        self.queue_wait_s: float | None = None   # a new request's wait in the scheduler's queue, as of the last heartbeat
         self.ranks_live: int | None = None        # ranks with a heartbeat, as of the last one (None: unknown)
         self.down_since: float | None = None      # monotonic: since when fewer than every rank has been live
         self.was_whole = False                    # the group had every rank once since this replica started
@@ -368,12 +368,13 @@ class Gateway:
             try:
                 pipe = self.r.pipeline(transaction=False)
                 pipe.set(self.keys.api_alive(self.api_id), str(time.time()), px=3000)
-                pipe.hmget(self.keys.snapshot, "queue_wait_ms", "queue_at")
+                pipe.hmget(self.keys.snapshot, "queue_eta_ms", "queue_wait_ms", "queue_at")
                 pipe.hget(self.keys.cluster, "ranks")   # written after this replica started, maybe
                 for rank in range(self.num_ranks):   # one key each: their slots differ on Redis Cluster
                     pipe.exists(self.keys.rank_alive(rank))
-                _, (wait_ms, at), ranks, *alive = await pipe.execute()
-                self.queue_wait_s = queue_wait_s(wait_ms, at, time.time())
+                _, (eta_ms, wait_ms, at), ranks, *alive = await pipe.execute()
+                # a new request's expected wait; the head's own wait from a scheduler older than the ETA
+                self.queue_wait_s = queue_wait_s(eta_ms if eta_ms is not None else wait_ms, at, time.time())
                 if ranks and int(ranks) != self.num_ranks:
                     self.num_ranks = int(ranks)
                 else:

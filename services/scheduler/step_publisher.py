@@ -11,6 +11,7 @@ from services.scheduler.state import SchedulerState
 from shared import keys as K
 from shared.bus import decode_entries
 from shared.messages import FIELD, encode
+from shared.rate_meter import RateMeter
 from shared.stats import RankStats, Snapshot
 
 
@@ -22,12 +23,33 @@ def queue_wait_ms(policy: Any, now: float) -> int:
     return 0 if t is None else max(0, int((now - t) * 1000))
 
 
+PLACEMENT_WINDOW_S = 5.0   # the placement rate behind the queue's ETA: steadier than a step, quicker than a trend
+
+
+def queue_eta_ms(unplaced: int, placed_per_s: float, head_wait_ms: int) -> int:
+    """How long a request arriving now would wait unplaced: the requests ahead of it over
+    the rate the ranks take requests (placements/s, measured). This is the figure the
+    api-servers' ``max_queue_wait_s`` bounds. The head's own wait (how long the oldest
+    has waited) looks back: above capacity it passes the bound only after the queue holds
+    more than the bound's worth, and falls back under it only once refusing every request
+    has emptied the queue, so admission swung between all and nothing with TTFT at about
+    twice the bound (the load probe, 2026-12-05). With nothing placed lately the ranks
+    take nothing: the head's wait is the figure, as before."""
+    if unplaced <= 0:
+        return 0
+    if placed_per_s <= 0:
+        return head_wait_ms
+    return int(unplaced / placed_per_s * 1000)
+
+
 class StepPublisher:
     """Writes ``state.last_snapshot`` and the ``snapshots`` counter."""
 
     def __init__(self, r: Any, keys: K.Keys, state: SchedulerState, log: Any) -> None:
         self.r, self.keys, self.state, self.log = r, keys, state, log
         self._last: bytes | str = "$"   # stats read from when this process started leading
+        self._placed = RateMeter(PLACEMENT_WINDOW_S)
+        self._placed_seen = state.counters.get("dispatched", 0)
 
     async def iteration(self) -> None:
         agg = self.state.agg
@@ -62,9 +84,14 @@ class StepPublisher:
         newest = snaps[-1]
         blob = encode(newest)
         now = time.time()
+        placed = st.counters.get("dispatched", 0)
+        self._placed.add(placed - self._placed_seen, now)
+        self._placed_seen = placed
+        head_ms = queue_wait_ms(st.policy, now)
+        eta_ms = queue_eta_ms(int(getattr(st.policy, "unplaced", 0) or 0), self._placed.rate(now), head_ms)
         pipe.hset(self.keys.snapshot, mapping={"json": blob, "seq": newest.seq, "wave": newest.wave,
                                                "step": newest.step, "t": newest.t,
-                                               "queue_wait_ms": queue_wait_ms(st.policy, now), "queue_at": now})
+                                               "queue_wait_ms": head_ms, "queue_eta_ms": eta_ms, "queue_at": now})
         pipe.publish(self.keys.snapshot, blob)
         st.last_snapshot = newest
         st.counters["snapshots"] += len(snaps)
