@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
@@ -80,6 +80,17 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="debug, info, warning or error.")
     redis_wait_s: float = Field(0.0, ge=0, description="At start-up, wait this long for an unreachable Redis (retrying with backoff) before exiting with code 2; 0 (default) checks once, so a wrong URL fails fast; inf waits until it is reachable. `lockstep up` and `lockstep engine` start their processes with inf: they checked the URL themselves, so a process restarted during a Redis outage rides it out like the running ones.")
 
+    @field_validator("namespace")
+    @classmethod
+    def _no_pattern_characters(cls, v: str) -> str:
+        # the services find a namespace's keys by SCAN patterns (spares, ranks): a namespace
+        # with glob characters matched none of its own, and `up` waited for spares for ever
+        bad = sorted(set(v) & set("*?[]\\"))
+        if bad:
+            raise ValueError(f"must not contain {' '.join(bad)} (Redis key patterns read them as wildcards); "
+                             "use letters, digits and - _ . : /")
+        return v
+
     @field_validator("log_level")
     @classmethod
     def _known_level(cls, v: str) -> str:
@@ -143,11 +154,11 @@ class ApiServerSettings(Settings):
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, description="Port; every replica binds it with SO_REUSEPORT.")
     model: str = Field("lockstep-moe", description="Model name served at /v1/models, or a checkpoint directory (Hugging Face layout): its tokenizer and chat template are used and it is served under the directory's name.")
-    max_model_len: int = Field(4096, description="Prompt + output tokens per request.")
-    max_body_bytes: int = Field(1 << 20, description="Largest request body accepted (413 above).")
-    max_inflight: int = Field(4096, description="Requests in flight per replica before 429.")
-    max_queue_wait_s: float = Field(60.0, ge=0, description="429 (with Retry-After) while the scheduler's longest-waiting unplaced request has waited longer than this: above capacity TTFT stays near this bound instead of growing with the queue (0 = off; docs/operations.md, Overload).")
-    request_timeout_s: float = Field(600.0, description="Longest a request may wait for its tokens.")
+    max_model_len: int = Field(4096, ge=1, description="Prompt + output tokens per request.")
+    max_body_bytes: int = Field(1 << 20, ge=1, description="Largest request body accepted (413 above).")
+    max_inflight: int = Field(4096, ge=1, description="Requests in flight per replica before 429.")
+    max_queue_wait_s: float = Field(60.0, ge=0, description="429 (with Retry-After) while a new request would wait longer than this in the scheduler's queue (its estimate: the requests ahead over the rate the ranks take them): above capacity TTFT stays near this bound instead of growing with the queue (0 = off; docs/operations.md, Overload).")
+    request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may wait for its tokens.")
     read_timeout_s: float = Field(30.0, gt=0, description="A client must send a request's headers within this many seconds of connecting (or of the request's first byte on a kept-alive connection), and then its body within as long again: a connection that stalls is dropped (a stalled body gets a 408), so idle and half-sent connections cannot pile up outside max_inflight.")
     engine_down_timeout_s: float = Field(30.0, ge=0, description="While the engine group has been short of a rank for longer than this (it steps only with all of them: a rank down and not replaced, all down, or still starting), new requests get a 503 (code engine_unavailable, with Retry-After) and those in flight end with a 503 that says to retry, instead of waiting out request_timeout_s (0 = wait however long).")
     shutdown_grace_s: float = Field(5.0, ge=0, description="On SIGTERM/SIGINT: how long the requests in flight may still run; then each ends with a 503 that says to retry (a stream: an error event and [DONE], not a cut connection). New requests get that 503 at once.")
@@ -177,13 +188,13 @@ class SchedulerSettings(Settings):
     together_ms: float = Field(50.0, ge=0, description="waterfill: requests that arrived within this of the oldest unplaced one are placed longest prompt first, while they all fit in the group's free sequence slots; 0 = arrival order always.")
     dispatch: str = Field("scheduler", description="'scheduler' or 'client' (api-servers pick ranks; refused with policy staggered).")
     num_api_servers: int = Field(1, description="api-server replicas (for the local-view bump).")
-    ranks: int = Field(4, description="DP ranks expected in the engine group.")
-    read_count: int = Field(512, description="Requests read per stream round trip.")
+    ranks: int = Field(4, ge=1, description="DP ranks expected in the engine group.")
+    read_count: int = Field(512, ge=1, description="Requests read per stream round trip.")
     grace_ms: float = Field(50.0, description="Wait this long for missing ranks before finalizing a step.")
     snapshot_min_interval_ms: float = Field(5.0, description="Publish snapshots at most this often (newer steps coalesce; at real step times every step is published).")
     max_wait_ms: float = Field(0.0, description="Staggered: longest a request waits unplaced; 0 = learned (about two steps).")
-    request_record_ttl_s: int = Field(600, description="Lifetime of a request record <ns>:req:<id>, refreshed at each write (memory: about 350 bytes x request rate x this; docs/operations.md).")
-    lease_ms: int = Field(1000, description="Leadership lease (renewed every third of it); a standby takes over after it lapses.")
+    request_record_ttl_s: int = Field(600, ge=1, description="Lifetime of a request record <ns>:req:<id>, refreshed at each write (memory: about 350 bytes x request rate x this; docs/operations.md).")
+    lease_ms: int = Field(1000, ge=30, description="Leadership lease (renewed every third of it); a standby takes over after it lapses.")
     metrics_port: int = Field(0, description="Serve Prometheus metrics (lockstep_*) on this port; 0 = off.")
 
     def waterfill_kwargs(self) -> dict[str, float]:
@@ -200,22 +211,22 @@ class SchedulerSettings(Settings):
 class EngineSettings(Settings):
     rank: int = Field(-1, description="DP rank; -1 claims the first free slot in Redis.")
     spare: bool = Field(False, description="Hot spare: start up, then wait (any time) for a rank slot to free and take it over at once; a dead rank is replaced without a process start.")
-    ranks: int = Field(4, description="DP ranks in the engine group (world size).")
+    ranks: int = Field(4, ge=1, description="DP ranks in the engine group (world size).")
     backend: str = Field("sim", description="'sim' (device cost model) or 'torch' (a real MoE).")
-    device: str = Field("cpu", description="'cpu' (gloo) or 'cuda' (NCCL).")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="'cpu' (gloo) or 'cuda' (NCCL).")
     model: str = Field("", description="torch: a local checkpoint directory (Hugging Face layout: config.json, *.safetensors, tokenizer.json); empty or 'lockstep-moe' = the bundled model (trained by scripts/train-bundled-model), 'random' = seeded random weights of the same shape. Nothing is downloaded.")
     dtype: str = Field("auto", description="torch with --model: 'auto' (bfloat16 on cuda, float32 on cpu), 'bfloat16' or 'float32'.")
-    max_num_batched_tokens: int = Field(2048, description="Token budget of one step.")
-    max_num_seqs: int = Field(128, description="Most sequences running on the rank.")
-    num_kv_blocks: int = Field(4096, description="KV-cache blocks on the rank.")
-    block_size: int = Field(16, description="Tokens per KV block.")
-    max_model_len: int = Field(4096, description="Prompt + output tokens per request.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one step.")
+    max_num_seqs: int = Field(128, ge=1, description="Most sequences running on the rank.")
+    num_kv_blocks: int = Field(4096, ge=1, description="KV-cache blocks on the rank.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block.")
+    max_model_len: int = Field(4096, ge=1, description="Prompt + output tokens per request.")
     time_scale: float = Field(1.0, description="sim: multiply modeled device time (0 = no device time), and the waits tuned to it (the coordinated prefill's delays and busy window, the staggered gate's timeout): the same group in slow motion.")
     cost_model: str = Field("", description="sim: JSON file with calibrated cost-model constants.")
-    request_record_ttl_s: int = Field(600, description="Lifetime of a request record <ns>:req:<id>, refreshed at each write (memory: about 350 bytes x request rate x this; docs/operations.md).")
-    heartbeat_ms: int = Field(1000, description="Heartbeat period; the alive key lives 3x this.")
-    collective_timeout_s: float = Field(5.0, description="A collective that takes longer means a rank died (keep it above the longest step).")
-    reform_timeout_s: float = Field(60.0, description="A rank that cannot rejoin its engine group within this exits (code 4) to be replaced.")
+    request_record_ttl_s: int = Field(600, ge=1, description="Lifetime of a request record <ns>:req:<id>, refreshed at each write (memory: about 350 bytes x request rate x this; docs/operations.md).")
+    heartbeat_ms: int = Field(1000, ge=1, description="Heartbeat period; the alive key lives 3x this.")
+    collective_timeout_s: float = Field(5.0, gt=0, description="A collective that takes longer means a rank died (keep it above the longest step).")
+    reform_timeout_s: float = Field(60.0, gt=0, description="A rank that cannot rejoin its engine group within this exits (code 4) to be replaced.")
     group_host: str = Field("127.0.0.1", description="Address other ranks reach this one at, and where its group sockets listen (engine-group rendezvous); 'auto': the address this host reaches Redis from (containers).")
     seed: int = Field(0, description="Weight seed of model 'random' (identical on every rank).")
     align_tokens: bool = Field(True, description="Coordinated prefill: every rank caps its prefill at one shared budget per step (docs/benchmarks.md); applied when every rank has it.")
@@ -250,6 +261,12 @@ class EngineSettings(Settings):
         if 0 < self.align_grow_share_full < self.align_grow_share:
             raise ValueError(f"align_grow_share_full ({self.align_grow_share_full}) must be at least "
                              f"align_grow_share ({self.align_grow_share}), or 0 to keep the whole growth")
+        if self.num_kv_blocks * self.block_size < self.max_model_len:
+            need = -(-self.max_model_len // self.block_size)
+            raise ValueError(f"the KV cache ({self.num_kv_blocks} blocks x {self.block_size} tokens) cannot hold one "
+                             f"request of max_model_len ({self.max_model_len}) tokens: set LOCKSTEP_NUM_KV_BLOCKS to "
+                             f"{need} or more, or LOCKSTEP_MAX_MODEL_LEN to {self.num_kv_blocks * self.block_size} "
+                             "or less")
         if self.align_busy_level is not None and "align_busy_tokens" not in self.model_fields_set:
             self.align_busy_tokens = self.align_busy_level * self.max_num_batched_tokens
         return self

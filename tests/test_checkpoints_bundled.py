@@ -40,12 +40,12 @@ def greedy(runner, prompt: str, n: int) -> str:
 
 def test_the_default_torch_model_is_the_trained_bundled_checkpoint_and_reads_as_text():
     assert (BUNDLED_DIR / "model.safetensors").is_file() and (BUNDLED_DIR / "README.md").is_file()
-    runner = make_runner(EngineSettings(ranks=1, backend="torch", num_kv_blocks=8, block_size=16), 0)
+    runner = make_runner(EngineSettings(ranks=1, backend="torch", num_kv_blocks=8, block_size=16, max_model_len=128), 0)
     assert isinstance(runner.config, HFConfig) and runner.config.vocab_size == VOCAB_SIZE
     answer = greedy(runner, "<|user|>\nWhat does json.dumps do?\n<|assistant|>\n", 60)
     assert readable(answer), answer
     assert readable(greedy(runner, "Return the", 40))
-    noise = make_runner(EngineSettings(ranks=1, backend="torch", num_kv_blocks=8, block_size=16, model="random"), 0)
+    noise = make_runner(EngineSettings(ranks=1, backend="torch", num_kv_blocks=8, block_size=16, max_model_len=128, model="random"), 0)
     assert isinstance(noise.model, MoETransformer)
     assert not readable(greedy(noise, "<|user|>\nWhat does json.dumps do?\n<|assistant|>\n", 60))   # the check can fail
 

@@ -400,3 +400,25 @@ def test_status_says_when_the_engine_group_is_short_of_a_rank():
     text = _status_text([True, False])
     assert "engine group: 1 of 2 ranks live (down: 1)" in text and "--spares" in text, text
     assert "engine group" not in _status_text([True, True])
+
+
+def test_up_refuses_what_its_children_could_never_run(no_start, monkeypatch, tmp_path):
+    # each of these started, then crash-looped, hung or failed every request (the flags probe, 2026-12-05)
+    monkeypatch.setenv("LOCKSTEP_MAX_MODEL_LEN", "5000")   # past the bundled model's positions: ranks died
+    _refused(_cli("up", "--ranks", "2"), "exceeds the bundled model's 4096 positions", "LOCKSTEP_MAX_MODEL_LEN=4096")
+    res = _cli("up", "--ranks", "2", "--backend", "sim")   # the sim runs no model: no positions to pass
+    assert res.exit_code == 1 and "would start a cluster" in res.stderr, res.output
+    monkeypatch.delenv("LOCKSTEP_MAX_MODEL_LEN")
+    monkeypatch.setenv("LOCKSTEP_NUM_KV_BLOCKS", "4")       # every request over 64 tokens: a 503 "retry it"
+    _refused(_cli("up", "--backend", "sim"), "LOCKSTEP_NUM_KV_BLOCKS to 256 or more")
+    monkeypatch.delenv("LOCKSTEP_NUM_KV_BLOCKS")
+    _refused(_cli("up", "--backend", "sim", "--namespace", "pf[1]"), "must not contain [ ]")   # `up` hung
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    _refused(_cli("up", "--backend", "sim", "--persist", str(a_file)), "is a file; give a directory")  # traceback
+    monkeypatch.setenv("LOCKSTEP_DEVICE", "gpu")
+    _refused(_cli("up", "--ranks", "2"), "LOCKSTEP_DEVICE")
+    import torch
+    if not torch.cuda.is_available():                        # ranks retried for ever, `up` waited 180 s
+        monkeypatch.setenv("LOCKSTEP_DEVICE", "cuda")
+        _refused(_cli("up", "--ranks", "2"), "no CUDA device is visible", "unset LOCKSTEP_DEVICE")

@@ -4,6 +4,7 @@ stops the service at start with a message naming the variable and what it may be
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,28 @@ def test_a_busy_level_set_in_full_steps_keeps_its_meaning_in_tokens():
     assert env.align_busy_tokens == 0.0            # "never busy" stays never busy
     assert EngineSettings(align_busy_level=0.5, align_busy_tokens=100.0).align_busy_tokens == 100.0
     assert EngineSettings().align_busy_tokens == 307.0
+
+
+@pytest.mark.parametrize("cls,env,says", [
+    # each started, then failed inside a child (a traceback), or served requests that could never run
+    (EngineSettings, {"LOCKSTEP_BLOCK_SIZE": "0"}, "LOCKSTEP_BLOCK_SIZE='0'"),
+    (EngineSettings, {"LOCKSTEP_MAX_NUM_BATCHED_TOKENS": "0"}, "LOCKSTEP_MAX_NUM_BATCHED_TOKENS"),
+    (EngineSettings, {"LOCKSTEP_MAX_NUM_SEQS": "0"}, "LOCKSTEP_MAX_NUM_SEQS"),
+    (EngineSettings, {"LOCKSTEP_HEARTBEAT_MS": "0"}, "LOCKSTEP_HEARTBEAT_MS"),
+    (EngineSettings, {"LOCKSTEP_COLLECTIVE_TIMEOUT_S": "0"}, "LOCKSTEP_COLLECTIVE_TIMEOUT_S"),
+    (ApiServerSettings, {"LOCKSTEP_MAX_INFLIGHT": "0"}, "LOCKSTEP_MAX_INFLIGHT"),
+    (SchedulerSettings, {"LOCKSTEP_LEASE_MS": "0"}, "LOCKSTEP_LEASE_MS"),
+    # a KV cache that cannot hold one whole request: every longer request failed, "retry it"
+    (EngineSettings, {"LOCKSTEP_NUM_KV_BLOCKS": "4"}, "set LOCKSTEP_NUM_KV_BLOCKS to 256 or more"),
+    # glob characters: `up` never saw its own spares (SCAN patterns) and waited for ever
+    (EngineSettings, {"LOCKSTEP_NAMESPACE": "pf[1]"}, "must not contain [ ]"),
+    (ApiServerSettings, {"LOCKSTEP_NAMESPACE": "a*"}, "must not contain *"),
+])
+def test_settings_no_service_can_run_with_are_refused_up_front(cls, env, says):
+    with pytest.raises(SettingsError, match=re.escape(says)):
+        cls.from_env(env)
+
+
+def test_a_kv_cache_that_holds_one_whole_request_is_accepted():
+    assert EngineSettings(num_kv_blocks=256, block_size=16, max_model_len=4096).num_kv_blocks == 256
+    assert EngineSettings(namespace="team-a/prod:1").namespace == "team-a/prod:1"

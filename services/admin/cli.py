@@ -82,7 +82,7 @@ def up(
                                                       "bfloat16 or float32."),
 ) -> None:
     """Start a local cluster: Redis (embedded unless --redis-url), scheduler, engine ranks, api-servers."""
-    from services.admin.up import LocalCluster, UpOptions, banner, check_options
+    from services.admin.up import LocalCluster, UpOptions, banner, check_options, persist_problem
     from shared.bus import RedisUnreachable
     from shared.redis_server import ServerNotFound
 
@@ -95,6 +95,10 @@ def up(
     if not log_level_known(log_level):
         _fail(f"--log-level must be debug, info, warning or error, not {log_level!r}", 2)
     # Options that only one path uses: refused on the others instead of silently ignored.
+    if persist:
+        problem = persist_problem(persist)
+        if problem:
+            _fail(problem, 2)
     if persist and redis_url:
         _fail("--persist keeps the data of the embedded Redis that `up` starts; with --redis-url (or "
               "LOCKSTEP_REDIS_URL) that server keeps its own: configure persistence there, or drop --redis-url", 2)
@@ -110,7 +114,7 @@ def up(
         check_backend(model or "", backend)
         check_dtype(model or "", dtype)
         if backend == "torch" and not (model and is_checkpoint(model)):
-            check_bundled(ranks)
+            check_bundled(ranks, int(os.environ.get("LOCKSTEP_MAX_MODEL_LEN", "4096")))
     except ValueError as exc:
         _fail(str(exc), 2)
     model_env = {"LOCKSTEP_MODEL": model} if model else {}    # 'lockstep-moe' (the default) or 'random'

@@ -353,7 +353,7 @@ def register(app: typer.Typer) -> None:
             fail(str(exc))
         if backend == "torch" and not (model and is_checkpoint(model)):
             try:
-                check_bundled(world)
+                check_bundled(world, int(os.environ.get("LOCKSTEP_MAX_MODEL_LEN", "4096")))
             except ValueError as exc:
                 fail(str(exc))
         extra = {}

@@ -314,7 +314,37 @@ def check_options(opts: UpOptions) -> list[Any]:
     from shared.settings import ApiServerSettings, EngineSettings, SchedulerSettings
 
     env = LocalCluster(opts, out=lambda _: None)._env()
-    return [cls.from_env(env) for cls in (SchedulerSettings, ApiServerSettings, EngineSettings)]
+    settings = [cls.from_env(env) for cls in (SchedulerSettings, ApiServerSettings, EngineSettings)]
+    check_device(settings[-1])
+    return settings
+
+
+def persist_problem(path: str) -> str | None:
+    """Why the embedded Redis cannot keep its data in ``path`` (None: it can; a missing
+    directory is created). It failed in the middle of the start, with a traceback."""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        return f"--persist {path} is a file; give a directory (created if missing) for the embedded Redis's data"
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--persist {path}: cannot create that directory ({exc.strerror}); give one you can write to"
+    if not os.access(p, os.W_OK | os.X_OK):
+        return f"--persist {path}: this user cannot write there; give a directory you can write to"
+    return None
+
+
+def check_device(engine: Any) -> None:
+    """Refuse ``LOCKSTEP_DEVICE=cuda`` for torch ranks on a machine with no GPU they can see:
+    each rank would retry its start for ever while `up` waited out its ready timeout."""
+    if engine.backend != "torch" or engine.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("LOCKSTEP_DEVICE=cuda, but no CUDA device is visible on this machine (check "
+                         "CUDA_VISIBLE_DEVICES and the driver with nvidia-smi), or run on the CPU: "
+                         "unset LOCKSTEP_DEVICE")
 
 
 def served_model(o: UpOptions) -> str:

@@ -38,11 +38,17 @@ def check_backend(model: str, backend: str) -> None:
                          "byte tokens); use --backend torch, or drop --model")
 
 
-def check_bundled(ranks: int) -> None:
+def check_bundled(ranks: int, max_model_len: int | None = None) -> None:
     """Refuse, before any process starts, a rank count over which the bundled model's
-    experts (the trained one's and ``random``'s alike) do not split evenly."""
+    experts (the trained one's and ``random``'s alike) do not split evenly, and a
+    ``max_model_len`` past its positions (a request reaching them failed the forward, which
+    took down every rank that ran it, spares too)."""
     from services.engine_worker.model.config import MoEConfig
 
+    positions = MoEConfig().max_position
+    if max_model_len is not None and max_model_len > positions:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the bundled model's {positions} positions; "
+                         f"set LOCKSTEP_MAX_MODEL_LEN={positions} or less (or serve a checkpoint, --model DIR)")
     n = MoEConfig().n_experts
     if n % ranks:
         fits = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
@@ -81,6 +87,7 @@ def make_runner(settings: Any, rank: int) -> Any:
     s = settings
     device = rank_device(s.device, rank)   # cuda: this rank's own GPU
     if not is_checkpoint(s.model):
+        check_bundled(s.ranks, s.max_model_len)
         if s.model != "random" and (BUNDLED_DIR / "model.safetensors").is_file():
             # byte tokens: stop strings and EOS stay the byte tokenizer's (no use_vocabulary)
             return TorchModelRunner.from_pretrained(str(BUNDLED_DIR), rank, s.ranks, s.num_kv_blocks, s.block_size,
