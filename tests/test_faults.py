@@ -250,6 +250,11 @@ def test_api_keys(tmp_path):
             assert ok.usage.completion_tokens >= 1
         # health stays open for probes
         assert httpx.get(cluster.api_url.rsplit("/v1", 1)[0] + "/health").status_code == 200
+        # `lockstep bench` had no way to send a key: every run was "cannot reach ... 401"
+        res = cluster.cli("bench", "--requests", "3", "--rate", "50", "--json", timeout=120)
+        assert res.returncode == 2 and "needs an API key" in res.stderr and "pass --api-key KEY" in res.stderr, res.stderr
+        res = cluster.cli("bench", "--requests", "3", "--rate", "50", "--json", "--api-key", "key-two", timeout=120)
+        assert res.returncode == 0 and json.loads(res.stdout)["completed"] == 3, res.stderr
         # the keys never reach the logs
         logs = "".join(p.read_text() for p in (tmp_path / "state").rglob("*.log"))
         assert "key-one" not in logs and "key-two" not in logs

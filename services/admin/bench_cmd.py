@@ -33,6 +33,7 @@ Wire it with ``register(app)``.
 from __future__ import annotations
 
 import asyncio
+import os
 import json
 import sys
 from pathlib import Path
@@ -68,6 +69,9 @@ def bench(
     capacity: Optional[float] = typer.Option(None, "--capacity", min=0.0,
                                              help="With --load: the capacity in requests/s, not measured "
                                                   "(give several clusters the same trace)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY", show_envvar=False,
+                                          help="API key, for a cluster started with LOCKSTEP_API_KEYS (default: "
+                                               "OPENAI_API_KEY, else the first of LOCKSTEP_API_KEYS)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
     """Benchmark a running cluster: TTFT/ITL/throughput from the client, balance and idle forwards from the step stats."""
@@ -109,12 +113,14 @@ def bench(
         fail("--load scales a generated workload's rate; a --trace keeps its own arrival times")
     if capacity is not None and load is None:
         fail("--capacity only applies with --load")
+    # the cluster's own key where this shell started it (LOCKSTEP_API_KEYS): bench just works
+    key = api_key or next((k.strip() for k in os.environ.get("LOCKSTEP_API_KEYS", "").split(",") if k.strip()), None)
     try:
         probe = None
         if load is not None:
             if capacity is None:
                 probe = asyncio.run(run_bench(url, rurl, namespace, workload, requests, rate, seed, None,
-                                              at_once=True))
+                                              at_once=True, api_key=key))
                 if not probe["completed"] or not probe["duration_s"]:
                     fail("the capacity probe completed no request: is the cluster serving?", 1)
                 capacity = probe["completed"] / probe["duration_s"]
@@ -123,7 +129,7 @@ def bench(
                                f"in {probe['duration_s']:.1f} s); running at {load:g}x = {load * capacity:.2f}/s",
                                err=True)
             rate = load * capacity
-        doc = asyncio.run(run_bench(url, rurl, namespace, workload, requests, rate, seed, trace))
+        doc = asyncio.run(run_bench(url, rurl, namespace, workload, requests, rate, seed, trace, api_key=key))
         if load is not None:
             doc.update(load=load, rate=rate, capacity_rps=capacity,
                        capacity_measured=probe is not None,

@@ -20,7 +20,7 @@ REQUEST_TIMEOUT_S = 600.0
 
 async def run_bench(url: str, redis_url: str | None, namespace: str, workload: str, requests: int,
                     rate: float, seed: int, trace: Optional[Path], progress: bool = True,
-                    at_once: bool = False) -> dict[str, Any]:
+                    at_once: bool = False, api_key: str | None = None) -> dict[str, Any]:
     import httpx
 
     from shared import keys as K
@@ -30,9 +30,16 @@ async def run_bench(url: str, redis_url: str | None, namespace: str, workload: s
     base = base_url(url)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=WARM_CONNECTIONS)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         try:
             model, max_model_len = await served_model(client, base)
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code == 401:
+                raise PermissionError(f"the lockstep API at {base} needs an API key"
+                                      f"{' (the one given was refused)' if api_key else ''}: pass --api-key KEY, "
+                                      "or set OPENAI_API_KEY (one of the cluster's LOCKSTEP_API_KEYS)") from None
+            raise ConnectionError(f"cannot reach the lockstep API at {base}: {exc}") from None
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
             raise ConnectionError(f"cannot reach the lockstep API at {base}: {exc}") from None
         name, items = build_trace(workload, requests, rate, seed, trace, max_model_len)
