@@ -107,6 +107,10 @@ def test_up_refuses_a_port_another_listener_holds(no_start, monkeypatch):
         other.close()
     res = _cli("up", "--backend", "sim", "--port", str(port))   # free again
     assert res.exit_code == 1 and "would start a cluster" in res.stderr, res.output
+    # an address this machine does not have is not "another process listens there"
+    res = _cli("up", "--backend", "sim", "--port", str(port), "--host", "192.0.2.1")
+    _refused(res, "192.0.2.1 is not an address of this machine")
+    assert "Another process" not in res.stderr
 
 
 def test_up_and_engine_refuse_a_model_the_sim_backend_would_ignore(no_start):

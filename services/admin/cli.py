@@ -130,9 +130,7 @@ def up(
     from services.admin.up import port_taken
     taken = port_taken(host, port)
     if taken:
-        _fail(f"cannot serve on {host}:{port}: {taken}. Another process listens there (another lockstep "
-              "cluster's api-servers would share the port and split its clients with this one): stop it, or "
-              "pick another --port", 2)
+        _fail(f"cannot serve on {host}:{port}: {taken}", 2)
     opts = UpOptions(ranks=ranks, api_servers=api_servers, port=port, host=host, backend=backend, policy=policy,
                      dispatch=dispatch, namespace=namespace, redis_url=redis_url, persist_dir=persist,
                      time_scale=time_scale, log_level=log_level, schedulers=schedulers, spares=spares,

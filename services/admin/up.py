@@ -9,6 +9,7 @@ nothing is left behind. Children get PDEATHSIG, so even a SIGKILL of `up` takes 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import socket
@@ -293,7 +294,7 @@ def port_taken(host: str, port: int) -> str | None:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        return f"unknown host ({exc})"
+        return f"unknown host ({exc}); give a --host this machine resolves (e.g. 127.0.0.1 or 0.0.0.0)"
     family, kind, proto, _, addr = infos[0]   # the address the api-servers bind (main.py)
     sock = socket.socket(family, kind, proto)
     try:
@@ -301,7 +302,13 @@ def port_taken(host: str, port: int) -> str | None:
         sock.bind(addr)
         sock.listen(1)
     except OSError as exc:
-        return exc.strerror or str(exc)
+        why = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            return (f"{why}. Another process listens there (another lockstep cluster's api-servers would share "
+                    "the port and split its clients with this one): stop it, or pick another --port")
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return f"{why}: {host} is not an address of this machine; give one it has (or 0.0.0.0 for all)"
+        return f"{why}; pick another --host or --port"
     finally:
         sock.close()
     return None
