@@ -43,7 +43,13 @@ def parse(url: str) -> RedisTarget:
     if not sep:
         raise BadRedisUrl(f"not a Redis URL (no scheme): {url!r}")
     scheme = scheme.lower()
-    if scheme in ("redis", "rediss", "unix"):
+    if scheme in ("redis", "rediss"):
+        # redis-py reads a database that is not a number as 0, without a word
+        path = rest.rpartition("@")[2].partition("/")[2].split("?", 1)[0].strip("/")
+        if path and not path.isdigit():
+            raise BadRedisUrl(f"bad database number {path!r} in {url!r}: use redis://HOST:PORT/N, N a number")
+        return RedisTarget(SINGLE, url)
+    if scheme == "unix":
         return RedisTarget(SINGLE, url)
     base, plus, kind = scheme.partition("+")
     if not plus or base not in ("redis", "rediss") or kind not in (CLUSTER, SENTINEL):

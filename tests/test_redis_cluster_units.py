@@ -16,6 +16,7 @@ from tests.conftest import ROOT
 def test_url_forms():
     assert parse("redis://127.0.0.1:6379/0").kind == SINGLE
     assert parse("rediss://u:p@h:6380/1").kind == SINGLE
+    assert parse("redis://h:6379").kind == parse("redis://h:6379/").kind == parse("redis://h/2?protocol=3").kind
     t = parse("redis+cluster://a:7000,b:7001")
     assert (t.kind, t.nodes, t.tls) == (CLUSTER, (("a", 7000), ("b", 7001)), False)
     t = parse("rediss+cluster://user:pw@[::1]:7000")
@@ -23,7 +24,10 @@ def test_url_forms():
     t = parse("redis+sentinel://s1:26379,s2:26380/mymaster")
     assert (t.kind, t.service, t.db, len(t.nodes)) == (SENTINEL, "mymaster", 0, 2)
     for bad, why in (("127.0.0.1:6379", "no scheme"), ("redis+cluster://h:notaport", "bad HOST:PORT"),
-                     ("redis+sentinel://h:26379/svc/x", "bad database"), ("http://h:1", "unknown Redis URL scheme")):
+                     ("redis+sentinel://h:26379/svc/x", "bad database"), ("http://h:1", "unknown Redis URL scheme"),
+                     # redis-py took these as database 0, silently
+                     ("redis://127.0.0.1:6379/abc", "bad database number 'abc'"),
+                     ("rediss://u:p@h:6380/1x?ssl_cert_reqs=none", "bad database number")):
         with pytest.raises(BadRedisUrl, match=why):
             parse(bad)
 
