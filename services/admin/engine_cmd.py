@@ -335,11 +335,13 @@ def register(app: typer.Typer) -> None:
             fail("give --ranks A-B, or both --ranks-per-host R and --host-index I (not both ways)")
         if not ranks and host_index is None and spares < 1:
             fail("say what runs here: --ranks A-B (this host's ranks), --spares K (hot spares), or both")
+        from services.admin.up import check_device
         from services.engine_worker.model.factory import (check_backend, check_bundled, check_checkpoint,
                                                           check_dtype, is_checkpoint)
         try:
             check_backend(model or "", backend)
             check_dtype(model or "", dtype)
+            check_device(backend, device)
         except ValueError as exc:
             fail(str(exc))
         try:

@@ -322,7 +322,7 @@ def check_options(opts: UpOptions) -> list[Any]:
 
     env = LocalCluster(opts, out=lambda _: None)._env()
     settings = [cls.from_env(env) for cls in (SchedulerSettings, ApiServerSettings, EngineSettings)]
-    check_device(settings[-1])
+    check_device(settings[-1].backend, settings[-1].device)
     return settings
 
 
@@ -341,17 +341,17 @@ def persist_problem(path: str) -> str | None:
     return None
 
 
-def check_device(engine: Any) -> None:
-    """Refuse ``LOCKSTEP_DEVICE=cuda`` for torch ranks on a machine with no GPU they can see:
-    each rank would retry its start for ever while `up` waited out its ready timeout."""
-    if engine.backend != "torch" or engine.device != "cuda":
+def check_device(backend: str, device: str) -> None:
+    """Refuse ``cuda`` for torch ranks on a machine with no GPU they can see: each rank
+    would retry its start for ever while `up` waited out its ready timeout."""
+    if backend != "torch" or device != "cuda":
         return
     import torch
 
     if not torch.cuda.is_available():
-        raise ValueError("LOCKSTEP_DEVICE=cuda, but no CUDA device is visible on this machine (check "
-                         "CUDA_VISIBLE_DEVICES and the driver with nvidia-smi), or run on the CPU: "
-                         "unset LOCKSTEP_DEVICE")
+        raise ValueError("device cuda (--device cuda or LOCKSTEP_DEVICE=cuda), but no CUDA device is visible on "
+                         "this machine: check CUDA_VISIBLE_DEVICES and the driver (nvidia-smi), or run on the CPU "
+                         "(unset LOCKSTEP_DEVICE, or --device cpu)")
 
 
 def served_model(o: UpOptions) -> str:
