@@ -250,6 +250,15 @@ def test_bench_refuses_a_rate_that_would_not_apply(fake_bench):
     assert res.exit_code == 0 and fake_bench == [("offline", 4, bench_cmd.DEFAULT_RATE, None, False)], res.output
 
 
+def test_bench_warns_that_a_small_capacity_probe_reads_low(fake_bench):
+    # 200 requests read 13.9 requests/s where 1,300 read 20.6: "--load 1.5" ran below capacity
+    res = _cli(*BENCH, "--load", "1.5", "--requests", "200")
+    assert res.exit_code == 0 and "capacity probe of 200 requests reads low" in res.stderr, res.output
+    res = _cli(*BENCH, "--load", "1.5", "--requests", str(bench_cmd.PROBE_MIN_REQUESTS))
+    assert res.exit_code == 0 and "reads low" not in res.stderr
+    assert "reads low" not in _cli(*BENCH, "--load", "1.5", "--requests", "200", "--capacity", "5").stderr
+
+
 def test_bench_replays_a_trace_that_names_api_servers(tmp_path):
     # load_jsonl's default of one api-server refused any line with api_server >= 1, naming
     # an --api-servers flag bench does not have

@@ -49,6 +49,7 @@ from services.admin.cmd_common import console as out_console, given as given_opt
 OFFLINE = ("offline", "blog")   # generated all at once: the rate does not apply
 DEFAULT_REQUESTS = 100
 DEFAULT_RATE = 8.0            # requests/s
+PROBE_MIN_REQUESTS = 500      # below this an all-at-once probe's tail dominates (the load probe: 200 read 13.9/s, 1,300 read 20.6/s)
 
 
 def bench(
@@ -119,6 +120,11 @@ def bench(
         probe = None
         if load is not None:
             if capacity is None:
+                if requests < PROBE_MIN_REQUESTS:
+                    typer.secho(f"lockstep bench: warning: a capacity probe of {requests} requests reads low (the "
+                                "last requests' decode, with the ranks half idle, is much of its time): --load "
+                                f"{load:g} then runs below {load:g}x; use --requests {PROBE_MIN_REQUESTS} or more, "
+                                "or give --capacity", err=True)
                 probe = asyncio.run(run_bench(url, rurl, namespace, workload, requests, rate, seed, None,
                                               at_once=True, api_key=key))
                 if not probe["completed"] or not probe["duration_s"]:
