@@ -68,7 +68,7 @@ def make_tokenizer(out: Path, kind: str = "bytelevel", vocab_size: int = 384):
 
 def make_checkpoint(out: Path, arch: str, *, n_experts: int = 8, layers: int = 2, tokenizer: str | None = None,
                     rope_scaling: dict | None = None, seed: int = 0, **overrides):
-    """A random ``arch`` model ('qwen3_moe', 'mixtral', 'olmoe', 'deepseek_v2') saved in ``out`` with a
+    """A random ``arch`` model ('qwen3_moe', 'mixtral', 'olmoe', 'deepseek_v2', 'deepseek_v3') saved in ``out`` with a
     tokenizer; returns the transformers model (fp32, eval) for reference forwards."""
     import torch
     from transformers import (GenerationConfig, MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
@@ -99,6 +99,14 @@ def make_checkpoint(out: Path, arch: str, *, n_experts: int = 8, layers: int = 2
                                   "topk_method": "greedy", "routed_scaling_factor": 1.5, "norm_topk_prob": False,
                                   **{**common, "num_key_value_heads": common["num_attention_heads"]}})
         cls = DeepseekV2ForCausalLM
+    elif arch == "deepseek_v3":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+        cfg = DeepseekV3Config(**{"n_routed_experts": n_experts, "n_shared_experts": 1, "moe_intermediate_size": 16,
+                                  "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 12,
+                                  "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                                  "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                                  **{**common, "num_key_value_heads": common["num_attention_heads"]}})
+        cls = DeepseekV3ForCausalLM
     elif arch == "olmoe":
         cfg = OlmoeConfig(num_experts=n_experts, **{"norm_topk_prob": False, **common})
         cls = OlmoeForCausalLM
@@ -112,6 +120,9 @@ def make_checkpoint(out: Path, arch: str, *, n_experts: int = 8, layers: int = 2
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.2 if p.dim() > 1 and "embed" not in name else 1.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # V3's routing bias: a buffer, zero by default
+                b.copy_(0.3 * torch.randn_like(b))
     model.save_pretrained(out, max_shard_size="64KB")
     GenerationConfig(bos_token_id=fast.bos_token_id, eos_token_id=[eos, fast.convert_tokens_to_ids("<|endoftext|>")],
                      pad_token_id=fast.pad_token_id).save_pretrained(out)

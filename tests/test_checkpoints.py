@@ -1,4 +1,4 @@
-"""Real checkpoints: lockstep's Qwen3-MoE, Mixtral and OLMoE match transformers' own
+"""Real checkpoints: lockstep's Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V2/V3 match transformers' own
 forward (fp32, atol 1e-4) on tiny random checkpoints made at test time, through the
 paged KV cache with chunked prefill and decode, on 1 rank and on 2 and 4 EP ranks
 (gloo, real all-to-alls); each rank reads only its own experts from the shards."""
@@ -28,7 +28,7 @@ from tests.hf_checkpoints import make_checkpoint  # noqa: E402
 
 ATOL = 1e-4
 BLOCK = 4
-ARCHS = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v2"]
+ARCHS = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"]
 
 
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
@@ -55,10 +55,13 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, object]]:
         root / "dv", "deepseek_v2", layers=3, q_lora_rank=12, topk_method="group_limited_greedy", n_group=4,
         topk_group=2, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                     "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}))
+    # DeepSeek-V3 with its rotary dimensions in halves, not interleaved pairs
+    out["deepseek_v3_halves"] = (root / "d3h", make_checkpoint(root / "d3h", "deepseek_v3", rope_interleave=False))
     return out
 
 
-@pytest.mark.parametrize("name", ARCHS + ["qwen3_moe_dense_yarn", "mixtral_linear", "deepseek_v2_full"])
+@pytest.mark.parametrize("name", ARCHS + ["qwen3_moe_dense_yarn", "mixtral_linear", "deepseek_v2_full",
+                                          "deepseek_v3_halves"])
 def test_one_rank_chunked_prefill_and_decode_match_transformers(checkpoints, name):
     path, ref = checkpoints[name]
     runner = TorchModelRunner.from_pretrained(str(path), 0, 1, num_kv_blocks=24, block_size=BLOCK)
@@ -175,7 +178,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_and_four_ep_ranks_match_transformers(checkpoints, tmp_path):
-    names = ["qwen3_moe", "mixtral", "olmoe", "qwen3_moe_dense_yarn", "deepseek_v2_full"]
+    names = ["qwen3_moe", "mixtral", "olmoe", "qwen3_moe_dense_yarn", "deepseek_v2_full", "deepseek_v3"]
     paths = {n: str(checkpoints[n][0]) for n in names}
     world = 4
     ctx = mp.get_context("spawn")
@@ -227,3 +230,63 @@ def test_bench_reports_steps_and_collective_share_for_a_checkpoint(checkpoints, 
     assert out["model"] == path and out["ranks"] == 2
     assert out["steps_per_s"] > 0 and 0 < out["collective_share_median"] < 1
     assert out["all_to_all_calls_per_step"] == 3 * 2          # 3 per MoE layer, 2 layers
+
+
+def _fp8_tiles(t: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` as DeepSeek's FP8 checkpoints hold it: e4m3 values and one scale per tile."""
+    rows, cols = t.shape
+    br, bc = block
+    pr, pc = -(-rows // br) * br, -(-cols // bc) * bc
+    padded = torch.zeros(pr, pc)
+    padded[:rows, :cols] = t.float()
+    tiles = padded.view(pr // br, br, pc // bc, bc)
+    scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+    q = (tiles / scale[:, None, :, None]).view(pr, pc)[:rows, :cols].to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def test_a_block_scaled_fp8_checkpoint_is_dequantized_on_load(checkpoints, tmp_path):
+    # DeepSeek-V3's (and Qwen3's -FP8) checkpoints: e4m3 weights, one float scale per tile
+    # (weight_scale_inv). Read without the scales, every value is off by its tile's scale.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, _ = checkpoints["deepseek_v3"]
+    block = (4, 8)            # partial tiles at the edges too (e.g. 12 x 32, 48 x 32)
+    fp8, plain = tmp_path / "fp8", tmp_path / "dequantized"
+    shutil.copytree(src, fp8)
+    shutil.copytree(src, plain)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    quantized = 0
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = load_file(str(src / shard))
+        q_out, d_out = dict(tensors), dict(tensors)
+        for name, t in tensors.items():
+            if t.dim() == 2 and name.endswith(".weight") and "embed" not in name and "lm_head" not in name \
+                    and not name.endswith("mlp.gate.weight"):
+                q, scale = _fp8_tiles(t, block)
+                q_out[name], q_out[name + "_scale_inv"] = q, scale
+                index["weight_map"][name + "_scale_inv"] = shard
+                d_out[name] = q.float() * scale.repeat_interleave(block[0], 0)[:t.shape[0]].repeat_interleave(
+                    block[1], 1)[:, :t.shape[1]]
+                quantized += 1
+        save_file(q_out, str(fp8 / shard))
+        save_file(d_out, str(plain / shard))
+    (fp8 / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    assert quantized > 10 and read_config(fp8).fp8_block == block
+
+    prompt = _prompt(cfg["vocab_size"], 9, 3)
+    logits = {}
+    for name, path in (("fp8", fp8), ("plain", plain)):
+        runner = TorchModelRunner.from_pretrained(str(path), 0, 1, num_kv_blocks=8, block_size=BLOCK)
+        logits[name] = runner.logits([ChunkInput("s", prompt, 0, [0, 1, 2], False)])["s"]
+    torch.testing.assert_close(logits["fp8"], logits["plain"], atol=ATOL, rtol=0)
+    # other quantizations are refused at the config, with what to use instead
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    with pytest.raises(ValueError, match="'awq'.*not supported"):
+        HFConfig.from_dict(cfg)

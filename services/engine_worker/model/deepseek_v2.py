@@ -1,5 +1,6 @@
-"""DeepSeek-V2 (V2, V2-Lite, V2.5): multi-head latent attention (MLA) and MoE layers with
-shared experts.
+"""DeepSeek-V2 (V2, V2-Lite, V2.5) and DeepSeek-V3 (V3, R1, and Kimi-K2 of the same
+architecture): multi-head latent attention (MLA) and MoE layers with shared experts; V3
+differs in its router only (DeepseekRouter).
 
 MLA: each token's keys and values are a low-rank latent (kv_lora_rank, RMS-normalized) plus
 one rotary key shared by all heads (qk_rope_head_dim); the paged cache stores that latent
@@ -37,6 +38,12 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on halves (a V3 config with rope_interleave false): (x[i], x[i + D/2]) turned by angle i."""
+    a, b = x.float().chunk(2, dim=-1)
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).to(x.dtype)
+
+
 class MLAttention(nn.Module):
     def __init__(self, cfg: HFConfig, dtype: torch.dtype, device: str | torch.device) -> None:
         super().__init__()
@@ -56,6 +63,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(H * (self.nope + self.vd), self.lora, dtype, device)
         self.o_proj = Linear(d, H * self.vd, dtype, device)
         self.scale = qk ** -0.5
+        self.rotate = rotate_pairs if m.get("rope_interleave", True) else rotate_halves
         r = cfg.rope
         if r["rope_type"] != "default" and r.get("mscale_all_dim"):
             factor = float(r["factor"])
@@ -72,8 +80,8 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(T, H, nope + rope).split([nope, rope], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([lora, rope], dim=-1)
         cos, sin = (t[..., : rope // 2].float() for t in cos_sin)      # the halves of cat(f, f) are equal
-        q = torch.cat((q_nope, rotate_pairs(q_pe, cos, sin)), dim=-1)
-        latent = torch.cat((self.kv_a_layernorm(c), rotate_pairs(k_pe[:, None, :], cos, sin)[:, 0]), dim=-1)
+        q = torch.cat((q_nope, self.rotate(q_pe, cos, sin)), dim=-1)
+        latent = torch.cat((self.kv_a_layernorm(c), self.rotate(k_pe[:, None, :], cos, sin)[:, 0]), dim=-1)
         half = k_cache.shape[-1]                       # the latent row: first half in K, the rest in V
         k_slots, v_slots = k_cache.view(-1, half), v_cache.view(-1, half)
         k_slots[layout.slot_mapping] = latent[:, :half]
@@ -89,6 +97,12 @@ class MLAttention(nn.Module):
 
 
 class DeepseekRouter(nn.Module):
+    """V2: softmax, top-k (greedy or group-limited), renormalized or scaled. V3
+    (``noaux_tc``): sigmoid scores; the choice adds a per-expert bias (its load balancing,
+    ``e_score_correction_bias``) and keeps the topk_group groups whose best two biased
+    scores sum highest; the weights are the unbiased scores, renormalized when
+    norm_topk_prob, then scaled."""
+
     def __init__(self, cfg: HFConfig, dtype: torch.dtype, device: str | torch.device) -> None:
         super().__init__()
         m = cfg.mla
@@ -96,15 +110,33 @@ class DeepseekRouter(nn.Module):
         self.scaling, self.method = m["routed_scaling_factor"], m["topk_method"]
         self.n_group, self.topk_group = m["n_group"], m["topk_group"]
         self.weight = empty(cfg.n_experts, cfg.d_model, dtype=dtype, device=device)
+        if self.method == "noaux_tc":
+            self.renorm = cfg.norm_topk_prob
+            self.e_score_correction_bias = empty(cfg.n_experts, dtype=torch.float32, device=device)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.softmax(F.linear(x.float(), self.weight.float()), dim=-1)
+        logits = F.linear(x.float(), self.weight.float())
+        if self.method == "noaux_tc":
+            return self._noaux_tc(logits.sigmoid())
+        scores = torch.softmax(logits, dim=-1)
         if self.method == "group_limited_greedy":
             g = scores.view(-1, self.n_group, self.E // self.n_group)
             keep = torch.zeros_like(g[..., 0]).scatter_(1, g.amax(-1).topk(self.topk_group, dim=-1).indices, 1.0)
             scores = (g * keep[..., None]).view(-1, self.E)
         w, ids = scores.topk(self.top_k, dim=-1)
         return (w / w.sum(-1, keepdim=True) if self.renorm else w * self.scaling), ids
+
+    def _noaux_tc(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        choice = scores + self.e_score_correction_bias.float()
+        g = choice.view(-1, self.n_group, self.E // self.n_group)
+        best = g.topk(min(2, g.shape[-1]), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, dim=-1).indices, 1.0)
+        choice = choice.masked_fill(~keep.bool()[..., None].expand_as(g).reshape(-1, self.E), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1).indices
+        w = scores.gather(1, ids)
+        if self.renorm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.scaling, ids
 
 
 class DeepseekMoE(SparseMoE):
@@ -121,6 +153,8 @@ class DeepseekMoE(SparseMoE):
 
     def checkpoint_names(self, prefix: str) -> dict[str, torch.Tensor]:
         out = super().checkpoint_names(prefix)
+        if hasattr(self.router, "e_score_correction_bias"):
+            out[f"{prefix}.gate.e_score_correction_bias"] = self.router.e_score_correction_bias
         if self.shared_experts is not None:
             out.update({f"{prefix}.shared_experts.{n}": p for n, p in self.shared_experts.named_parameters()})
         return out

@@ -4,7 +4,7 @@ architecture does not use keep their neutral value."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # config.json "architectures"[0] -> our model file (services/engine_worker/model/<file>.py)
@@ -13,6 +13,7 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v2",   # V2's attention; its router: deepseek_v2.DeepseekRouter
 }
 
 
@@ -43,6 +44,9 @@ class HFConfig:
     # row is the compressed latent (kv_lora_rank + qk_rope_head_dim), split over the K and V
     # halves of the cache: n_kv_heads 1, head_dim half the latent (rounded up).
     mla: dict[str, Any] = field(default_factory=dict)
+    # FP8 weights in tiles of (rows, cols), each with a float scale (quantization_config fp8,
+    # DeepSeek-V3's own checkpoints): dequantized to the serving dtype on load
+    fp8_block: tuple[int, int] | None = None
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "HFConfig":
@@ -52,6 +56,7 @@ class HFConfig:
             raise ValueError(f"architecture {arch or '(none)'!r} is not supported; "
                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
         name = ARCHITECTURES[arch]
+        fp8_block = quantization_block(d.get("quantization_config"))
         n_heads = int(d["num_attention_heads"])
         d_model = int(d["hidden_size"])
         head_dim = int(d.get("head_dim") or d_model // n_heads)
@@ -71,7 +76,8 @@ class HFConfig:
             dense = {i for i in range(n_layers)
                      if i in set(d.get("mlp_only_layers") or []) or (i + 1) % step != 0}
         if name == "deepseek_v2":
-            return _deepseek_v2(d, n_heads, n_layers, n_experts, max_position)
+            cfg = _deepseek_v2(d, n_heads, n_layers, n_experts, max_position, v3=arch == "DeepseekV3ForCausalLM")
+            return replace(cfg, fp8_block=fp8_block)
         window = d.get("sliding_window")
         if window and (name == "mixtral" or d.get("use_sliding_window")):
             # Sliding-window attention equals full attention while the context fits the window.
@@ -84,7 +90,7 @@ class HFConfig:
             d_ff_dense=int(d.get("intermediate_size") or d_ff_expert), norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             max_position=max_position, rope=rope_parameters(d), norm_topk_prob=norm_topk,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), dense_layers=frozenset(dense),
-            clip_qkv=d.get("clip_qkv"),
+            clip_qkv=d.get("clip_qkv"), fp8_block=fp8_block,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
 
     @property
@@ -139,27 +145,51 @@ class HFConfig:
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * bytes_per_elem
 
 
-def _deepseek_v2(d: dict[str, Any], n_heads: int, n_layers: int, n_experts: int, max_position: int) -> HFConfig:
-    first_dense, freq = int(d.get("first_k_dense_replace", 0)), int(d.get("moe_layer_freq", 1) or 1)
+def quantization_block(qc: dict[str, Any] | None) -> tuple[int, int] | None:
+    """The FP8 tile of a ``quantization_config`` (None: not quantized); any other
+    quantization is refused, with what to use instead."""
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    block = qc.get("weight_block_size")
+    if method == "fp8" and block and len(block) == 2 and qc.get("fmt", "e4m3") == "e4m3":
+        return int(block[0]), int(block[1])
+    raise ValueError(f"quantization {method!r} ({qc}) is not supported: lockstep loads bf16/fp32 checkpoints and "
+                     "block-scaled FP8 (quant_method fp8 with weight_block_size, as DeepSeek-V3's); use one of those")
+
+
+def _deepseek_v2(d: dict[str, Any], n_heads: int, n_layers: int, n_experts: int, max_position: int,
+                 v3: bool = False) -> HFConfig:
+    """DeepSeek-V2 and -V3 (and V3's descendants: Kimi-K2, DeepSeek-R1): the same attention;
+    V3 routes by sigmoid scores, a per-expert bias in the choice only (``noaux_tc``), and
+    both renormalizes and scales the kept weights (transformers' defaults where the
+    config is silent)."""
+    first_dense = int(d.get("first_k_dense_replace", 3 if v3 else 0))
+    freq = int(d.get("moe_layer_freq", 1) or 1)
     kv_lora, rope_dim = int(d["kv_lora_rank"]), int(d["qk_rope_head_dim"])
-    if d.get("topk_method", "greedy") not in ("greedy", "group_limited_greedy"):
-        raise ValueError(f"DeepSeek topk_method {d.get('topk_method')!r} is not supported (greedy, group_limited_greedy)")
+    method = "noaux_tc" if v3 else d.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ValueError(f"DeepSeek topk_method {method!r} is not supported (greedy, group_limited_greedy, noaux_tc)")
+    if v3 and d.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ValueError(f"DeepSeek-V3 scoring_func {d.get('scoring_func')!r} is not supported (sigmoid)")
     eos = d.get("eos_token_id")
     return HFConfig(
         architecture="deepseek_v2", vocab_size=int(d["vocab_size"]), d_model=int(d["hidden_size"]), n_layers=n_layers,
         n_heads=n_heads, n_kv_heads=1, head_dim=-(-(kv_lora + rope_dim) // 2), n_experts=n_experts,
         top_k=int(d["num_experts_per_tok"]), d_ff_expert=int(d["moe_intermediate_size"]),
         d_ff_dense=int(d["intermediate_size"]), norm_eps=float(d.get("rms_norm_eps", 1e-6)), max_position=max_position,
-        rope=rope_parameters(d), norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        rope=rope_parameters(d), norm_topk_prob=bool(d.get("norm_topk_prob", v3)),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         dense_layers=frozenset(i for i in range(n_layers) if i < first_dense or i % freq),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]), rope_dim=rope_dim,
         mla={"q_lora_rank": d.get("q_lora_rank"), "kv_lora_rank": kv_lora,
              "qk_nope_head_dim": int(d["qk_nope_head_dim"]), "v_head_dim": int(d["v_head_dim"]),
              "n_shared_experts": int(d.get("n_shared_experts") or 0),
-             "routed_scaling_factor": float(d.get("routed_scaling_factor", 1.0)),
-             "topk_method": d.get("topk_method", "greedy"), "n_group": d.get("n_group"),
-             "topk_group": d.get("topk_group")})
+             "routed_scaling_factor": float(d.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
+             "topk_method": method, "n_group": d.get("n_group", 8 if v3 else None),
+             "topk_group": d.get("topk_group", 4 if v3 else None),
+             # V3: rotary pairs interleaved (DeepSeek's layout) unless the config says otherwise
+             "rope_interleave": bool(d.get("rope_interleave", True))})
 
 
 def rope_parameters(d: dict[str, Any]) -> dict[str, Any]:

@@ -51,9 +51,20 @@ def tensor_files(model_dir: str | Path) -> dict[str, Path]:
     raise FileNotFoundError(f"{d} has neither {INDEX} nor {SINGLE}")
 
 
-def load_weights(targets: dict[str, torch.Tensor], model_dir: str | Path) -> int:
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A block-quantized FP8 weight (DeepSeek-V3's checkpoints: e4m3 values, one float scale
+    per ``block`` tile, the last tiles partial) as float32: value x its tile's scale."""
+    rows, cols = w.shape
+    s = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return w.float() * s
+
+
+def load_weights(targets: dict[str, torch.Tensor], model_dir: str | Path,
+                 fp8_block: tuple[int, int] | None = None) -> int:
     """Copy each named tensor of the checkpoint into its target (casting to the target's
-    dtype and device). Returns the bytes read. Every target must be found, with its shape."""
+    dtype and device; an FP8 weight with its ``<name>_scale_inv`` is dequantized first, when
+    the config says ``fp8_block``). Returns the bytes read. Every target must be found,
+    with its shape."""
     from safetensors import safe_open
 
     where = tensor_files(model_dir)
@@ -73,9 +84,18 @@ def load_weights(targets: dict[str, torch.Tensor], model_dir: str | Path) -> int
                 if t.shape != dest.shape:
                     raise ValueError(f"tensor {name} in {path.name} has shape {tuple(t.shape)}, "
                                      f"the config implies {tuple(dest.shape)}")
+                read += t.numel() * t.element_size()
+                scale_name = name + "_scale_inv"
+                if fp8_block is not None and t.dtype == torch.float8_e4m3fn and scale_name in where:
+                    with safe_open(str(where[scale_name]), framework="pt", device="cpu") as sf:
+                        scale = sf.get_tensor(scale_name)
+                    read += scale.numel() * scale.element_size()
+                    t = dequantize_fp8(t, scale, fp8_block)
+                elif t.dtype == torch.float8_e4m3fn:
+                    raise ValueError(f"tensor {name} is FP8 without a block scale ({scale_name}) or a config "
+                                     "quantization_config that names its weight_block_size; use a bf16 checkpoint")
                 with torch.no_grad():
                     dest.copy_(t)
-                read += t.numel() * t.element_size()
     return read
 
 
@@ -89,5 +109,5 @@ def build_model(cfg: HFConfig, rank: int, world_size: int, comm: AllToAll | None
 def load_model(model_dir: str | Path, cfg: HFConfig, rank: int, world_size: int, comm: AllToAll | None,
                dtype: torch.dtype, device: str | torch.device) -> nn.Module:
     model = build_model(cfg, rank, world_size, comm, dtype, device)
-    model.bytes_read = load_weights(model.weight_names(), model_dir)
+    model.bytes_read = load_weights(model.weight_names(), model_dir, cfg.fp8_block)
     return model.eval()
