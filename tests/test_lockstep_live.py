@@ -257,6 +257,8 @@ def tiny_kv_cluster(tmp_path, monkeypatch):
     # `lockstep up` passes the caller's LOCKSTEP_* settings it does not set itself to the children.
     monkeypatch.setenv("LOCKSTEP_NUM_KV_BLOCKS", str(KV_BLOCKS))
     monkeypatch.setenv("LOCKSTEP_BLOCK_SIZE", str(BLOCK))
+    # a request must fit the KV alone (`up` refuses a cache smaller than max_model_len)
+    monkeypatch.setenv("LOCKSTEP_MAX_MODEL_LEN", str(KV_BLOCKS * BLOCK))
     cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim",
                             "--time-scale", "0.25", "--log-level", "warning", namespace=_ns("kv"))
     yield cluster
