@@ -90,5 +90,6 @@ def test_the_bound_reads_a_new_requests_expected_wait_not_the_heads_past_one():
     assert queue_eta_ms(2, 20.0, 9000) == 100        # the head waited long, but the queue is nearly gone
     assert queue_eta_ms(0, 0.0, 0) == 0
     assert queue_eta_ms(5, 0.0, 4000) == 4000        # nothing placed lately: the head's wait
+    assert queue_eta_ms(5, 1e-6, 300) == 300          # a rate decayed from long ago is no rate (it read 5e6 s)
     with pytest.raises(ApiError):
         admit(_gw(queue_wait_s(str(queue_eta_ms(30, 2.0, 1000)).encode(), b"100.0", 100.0)), _settings())

@@ -242,3 +242,9 @@ def test_an_api_server_started_during_an_outage_answers_503_until_redis_is_back(
         api.terminate()
         api.wait(20)
         server.stop()
+
+
+def test_the_waiting_rooms_answer_shows_the_url_without_its_password():
+    from services.api_server.waiting_room import unavailable_response
+    answer = unavailable_response("redis://user:s3cret@10.0.0.5:6379/0").decode()
+    assert answer.startswith("HTTP/1.1 503 ") and "s3cret" not in answer and "10.0.0.5:6379" in answer

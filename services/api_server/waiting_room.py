@@ -14,6 +14,8 @@ import socket
 
 import orjson
 
+from shared.bus import redact_url
+
 RETRY_AFTER_S = 5
 _HEAD_LIMIT = 64 << 10    # bytes of request line and headers read before answering
 _READ_S = 5.0             # a client that sends nothing in this long is dropped
@@ -22,7 +24,7 @@ _READ_S = 5.0             # a client that sends nothing in this long is dropped
 def unavailable_response(redis_url: str) -> bytes:
     """The whole HTTP/1.1 answer: a 503 in OpenAI's error shape."""
     body = orjson.dumps({"error": {
-        "message": f"this api-server is waiting for Redis ({redis_url}), which is unreachable; retry after the "
+        "message": f"this api-server is waiting for Redis ({redact_url(redis_url)}), which is unreachable; retry after the "
                    "Retry-After delay", "type": "server_error", "param": None, "code": "redis_unavailable"}})
     head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
             f"retry-after: {RETRY_AFTER_S}\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n")

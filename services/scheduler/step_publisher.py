@@ -33,11 +33,12 @@ def queue_eta_ms(unplaced: int, placed_per_s: float, head_wait_ms: int) -> int:
     has waited) looks back: above capacity it passes the bound only after the queue holds
     more than the bound's worth, and falls back under it only once refusing every request
     has emptied the queue, so admission swung between all and nothing with TTFT at about
-    twice the bound (the load probe, 2026-12-05). With nothing placed lately the ranks
-    take nothing: the head's wait is the figure, as before."""
+    twice the bound (the load probe, 2026-12-05). With under one placement in the
+    measuring window (the ranks took nothing lately, or the rate is what is left of one
+    from long ago) there is no rate to divide by: the head's wait is the figure, as before."""
     if unplaced <= 0:
         return 0
-    if placed_per_s <= 0:
+    if placed_per_s * PLACEMENT_WINDOW_S < 1.0:
         return head_wait_ms
     return int(unplaced / placed_per_s * 1000)
 
