@@ -318,6 +318,11 @@ def test_simulate_refuses_bad_values_with_the_option_named(args, needle):
     ('{"t": NaN, "prompt_tokens": 8, "output_tokens": 2}', "finite"),
     ('{"t": Infinity, "prompt_tokens": 8, "output_tokens": 2}', "finite"),
     ('{"t": 0, "prompt_tokens": 8, "output_tokens": 2, "api_server": -3}', "api_server"),
+    # an OverflowError traceback, and a cap of 0 or less read as "no cap" (the simulate probe)
+    ('{"t": 0, "prompt_tokens": 8, "output_tokens": 2, "max_tokens": 1e400}', "bad trace line"),
+    ('{"t": 0, "prompt_tokens": 1e30, "output_tokens": 2}', "below 2^40"),
+    ('{"t": 0, "prompt_tokens": 1000000000000000000000000, "output_tokens": 2}', "below 2^40"),
+    ('{"t": 0, "prompt_tokens": 8, "output_tokens": 2, "max_tokens": -5}', "max_tokens must be >= 1"),
 ])
 def test_simulate_refuses_a_trace_line_it_cannot_replay(tmp_path, text, needle):
     trace = tmp_path / "t.jsonl"

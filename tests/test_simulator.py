@@ -43,6 +43,23 @@ def test_trace_file_round_trip_is_deterministic(tmp_path):
     assert a["config"]["requests"] == 200
 
 
+@pytest.mark.timeout(120)
+def test_a_replayed_trace_starts_at_zero_whatever_its_clock(tmp_path):
+    # epoch-stamped traces gave other figures than the same trace from 0 (the gaps lost
+    # their precision), and at 1e15 s the simulator hung (a poll did not advance its clock)
+    tr = workload.generate("poisson", 60, 10.0, 1, api_servers=1)
+    docs = []
+    for offset in (0.0, 1.7e9, 1e15):
+        p = tmp_path / f"t{offset:g}.jsonl"
+        workload.dump_jsonl(workload.Trace(t=tr.t + offset, prompt=tr.prompt, output=tr.output, api=tr.api,
+                                           name=tr.name), p)
+        doc, _ = runner.run(ranks=2, api_servers=1, trace=p, policies="default,vllm")
+        docs.append({k: v["ttft_p50_ms"] for k, v in doc["policies"].items()})
+    for k in docs[0]:
+        assert abs(docs[1][k] - docs[0][k]) < 1e-3 * docs[0][k], docs   # 1.7e9 keeps ~0.1 us of precision
+        assert docs[2][k] > 0, docs   # 1e15 keeps 1/8 s (the file's own precision), and it ends: no hang
+
+
 def test_one_rank_is_balanced_and_never_idle():
     doc, _ = runner.run(ranks=1, api_servers=2, workload="poisson", requests=200, rate=5.0,
                         policies="all")

@@ -75,7 +75,7 @@ def up(
                                     "rank at once (0: a dead rank's process is started again instead)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
     model: Optional[str] = typer.Option(None, "--model", envvar="LOCKSTEP_MODEL",
-                                        help="A local Hugging Face checkpoint directory (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V2) "
+                                        help="A local Hugging Face checkpoint directory (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V2 and -V3) "
                                              "to serve with its own tokenizer and chat template; default: the "
                                              "bundled model. Nothing is downloaded (README: Real checkpoints)."),
     dtype: str = typer.Option("auto", "--dtype", help="With --model: auto (bfloat16 on cuda, float32 on cpu), "

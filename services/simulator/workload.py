@@ -245,15 +245,22 @@ def load_jsonl(path: str | Path, api_servers: int | None = 1, seed: int = 0,
             os_.append(int(d["output_tokens"]))
             apis.append(int(d["api_server"]) if "api_server" in d else -1)
             caps.append(int(d["max_tokens"]) if d.get("max_tokens") is not None else -1)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, OverflowError) as exc:   # (1e400 tokens: OverflowError)
             raise ValueError(f"{path}:{lineno}: bad trace line ({exc})") from None
         if ps[-1] < 1 or os_[-1] < 1 or not (math.isfinite(ts[-1]) and ts[-1] >= 0):
             raise ValueError(f"{path}:{lineno}: t must be a finite number >= 0 and token counts >= 1")
+        if max(ps[-1], os_[-1], caps[-1]) >= 1 << 40:   # past int64 arithmetic, and any model's context
+            raise ValueError(f"{path}:{lineno}: token counts must be below 2^40")
+        if d.get("max_tokens") is not None and caps[-1] < 1:
+            raise ValueError(f"{path}:{lineno}: max_tokens must be >= 1 (or left out: the context's room)")
         if "api_server" in d and apis[-1] < 0:
             raise ValueError(f"{path}:{lineno}: api_server must be >= 0 (or left out: spread at random)")
     if not ts:
         raise ValueError(f"{path}: empty trace")
     t = np.asarray(ts)
+    # Times from 0: a trace recorded in epoch seconds (1.7e9) lost the precision of its
+    # gaps, and at 1e15 the simulator's clock could not advance by a poll (it hung).
+    t = t - t.min()
     order = np.argsort(t, kind="stable")
     rng = np.random.default_rng(seed)
     api = np.asarray(apis, dtype=np.int64)
