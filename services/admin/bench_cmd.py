@@ -33,8 +33,8 @@ Wire it with ``register(app)``.
 from __future__ import annotations
 
 import asyncio
-import os
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional

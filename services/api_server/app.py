@@ -100,7 +100,7 @@ class RequestIdHeader:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        given = client_request_id(scope)
+        given = scope[SCOPE_CLIENT_RID] = client_request_id(scope)   # read once: the handler logs it too
 
         async def send_with_id(msg: dict) -> None:
             if msg["type"] == "http.response.start":
@@ -113,6 +113,7 @@ class RequestIdHeader:
 
 
 SCOPE_RID = "lockstep.request_id"   # where the generation handler leaves its completion's id
+SCOPE_CLIENT_RID = "lockstep.client_request_id"   # the client's usable X-Request-Id (RequestIdHeader), or None
 
 
 def client_request_id(scope: dict) -> str | None:
@@ -335,7 +336,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         now = time.time()
         req = Request(id=rid, api=api_id, prompt=p.prompt, params=p.params, arrival=now, rank=p.rank)
         metrics.prompt_tokens.inc(len(p.prompt))
-        log.debug("request_accepted", request_id=rid, client_request_id=client_request_id(request.scope),
+        log.debug("request_accepted", request_id=rid, client_request_id=request.scope.get(SCOPE_CLIENT_RID),
                   prompt_tokens=len(p.prompt), max_tokens=p.params.max_tokens,
                   stream=p.stream, rank=p.rank)
         ch = gw.submit(req)

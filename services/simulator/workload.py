@@ -258,8 +258,8 @@ def load_jsonl(path: str | Path, api_servers: int | None = 1, seed: int = 0,
     if not ts:
         raise ValueError(f"{path}: empty trace")
     t = np.asarray(ts)
-    # Times from 0: a trace recorded in epoch seconds (1.7e9) lost the precision of its
-    # gaps, and at 1e15 the simulator's clock could not advance by a poll (it hung).
+    # Times from 0: a trace stamped on a large clock (1.7e12 and up) gave other figures than
+    # the same gaps from 0, and at 1e15 a poll could not advance the simulator's clock (it hung).
     t = t - t.min()
     order = np.argsort(t, kind="stable")
     rng = np.random.default_rng(seed)

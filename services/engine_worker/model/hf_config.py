@@ -4,7 +4,7 @@ architecture does not use keep their neutral value."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 # config.json "architectures"[0] -> our model file (services/engine_worker/model/<file>.py)
@@ -76,8 +76,8 @@ class HFConfig:
             dense = {i for i in range(n_layers)
                      if i in set(d.get("mlp_only_layers") or []) or (i + 1) % step != 0}
         if name == "deepseek_v2":
-            cfg = _deepseek_v2(d, n_heads, n_layers, n_experts, max_position, v3=arch == "DeepseekV3ForCausalLM")
-            return replace(cfg, fp8_block=fp8_block)
+            return _deepseek_v2(d, n_heads, n_layers, n_experts, max_position, v3=arch == "DeepseekV3ForCausalLM",
+                                fp8_block=fp8_block)
         window = d.get("sliding_window")
         if window and (name == "mixtral" or d.get("use_sliding_window")):
             # Sliding-window attention equals full attention while the context fits the window.
@@ -159,7 +159,7 @@ def quantization_block(qc: dict[str, Any] | None) -> tuple[int, int] | None:
 
 
 def _deepseek_v2(d: dict[str, Any], n_heads: int, n_layers: int, n_experts: int, max_position: int,
-                 v3: bool = False) -> HFConfig:
+                 v3: bool = False, fp8_block: tuple[int, int] | None = None) -> HFConfig:
     """DeepSeek-V2 and -V3 (and V3's descendants: Kimi-K2, DeepSeek-R1): the same attention;
     V3 routes by sigmoid scores, a per-expert bias in the choice only (``noaux_tc``), and
     both renormalizes and scales the kept weights (transformers' defaults where the
@@ -182,6 +182,7 @@ def _deepseek_v2(d: dict[str, Any], n_heads: int, n_layers: int, n_experts: int,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         dense_layers=frozenset(i for i in range(n_layers) if i < first_dense or i % freq),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]), rope_dim=rope_dim,
+        fp8_block=fp8_block,
         mla={"q_lora_rank": d.get("q_lora_rank"), "kv_lora_rank": kv_lora,
              "qk_nope_head_dim": int(d["qk_nope_head_dim"]), "v_head_dim": int(d["v_head_dim"]),
              "n_shared_experts": int(d.get("n_shared_experts") or 0),
