@@ -9,7 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 from services.admin.simulate_cmd import register
-from services.simulator import runner, sim, workload
+from services.simulator import profile as profile_mod, runner, sim, workload
 from services.simulator.baselines import POLICY_NAMES
 from services.engine_worker.step_view import Action
 from services.simulator.engine_group import EngineConfig, EngineGroup
@@ -318,3 +318,40 @@ def test_the_ideal_pays_the_longest_context_in_full():
     assert decode_ms == pytest.approx(cost.step_ms(1, 8195), abs=0.5)   # 82.95 ms, not 21.5
     real = sim.run_policy(tr, sim.resolve_policies("least_score", cfg)[0], cfg)
     assert real.step_dur[-1] * 1000.0 == pytest.approx(decode_ms, abs=0.5)
+
+
+@pytest.mark.timeout(120)
+def test_a_request_no_rank_can_run_is_rejected_not_completed():
+    # it was counted in 'done' (finish time = its rejection), and dispatchers that track
+    # finishes never heard of it
+    n = 12
+    caps = np.full(n, 8, dtype=np.int64)
+    caps[[3, 7]] = 40000                      # 100 + 40000 tokens: past max_model_len (32768)
+    tr = workload.Trace(t=np.arange(n) * 0.01, prompt=np.full(n, 100, dtype=np.int64),
+                        output=np.full(n, 8, dtype=np.int64), api=np.zeros(n, dtype=np.int64),
+                        name="rej", max_tokens=caps)
+    doc, _ = runner.run(ranks=2, api_servers=1, tr=tr, policies="all")
+    for name, p in doc["policies"].items():
+        assert p["completed"] == n - 2, name
+        assert p["rejected"] == 2, name
+
+
+def test_a_profile_whose_kv_cannot_hold_one_request_is_refused(tmp_path):
+    doc = json.loads((profile_mod.PROFILE_DIR / "default.json").read_text())
+    doc["engine"].update(num_kv_blocks=64, block_size=16, max_model_len=4096)
+    bad = tmp_path / "small-kv.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="at least 256"):
+        profile_mod.load(bad)
+
+
+def test_generated_requests_cut_to_max_model_len_are_counted():
+    tr = workload.generate("heavy-tail", 400, 10.0, 1, max_model_len=4096)
+    assert tr.clipped > 0 and tr.describe()["clipped_requests"] == tr.clipped
+    assert (tr.prompt + tr.output <= 4096).all()
+
+
+def test_a_policy_named_twice_runs_once():
+    doc, res = runner.run(ranks=2, api_servers=1, workload="poisson", requests=20, rate=5.0,
+                          policies="least_score,least_score")
+    assert list(doc["policies"]) == ["least_score"] and len(res) == 1

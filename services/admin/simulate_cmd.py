@@ -101,7 +101,7 @@ def simulate(
         raise typer.Exit(2) from None
     clipped = doc["config"]["trace"].get("clipped_requests")
     if clipped:
-        typer.echo(f"warning: {clipped} of {doc['config']['trace']['requests']} requests of the trace do not "
+        typer.echo(f"warning: {clipped} of {doc['config']['trace']['requests']} requests do not "
                    f"fit the profile's max_model_len ({doc['config']['sim']['engine']['max_model_len']}): their "
                    "lengths were cut to fit (the live api-servers refuse such requests)", err=True)
     if plot is not None:
@@ -117,6 +117,10 @@ def simulate(
                                            f"{c['trace']['name']} {c['trace']['requests']} requests")))
     if "ideal" in doc:
         con.print(f"ideal (perfectly balanced steps): {doc['ideal']['throughput_tok_s']:,.0f} tok/s")
+    rejected = {n: p["rejected"] for n, p in doc["policies"].items() if p.get("rejected")}
+    if rejected:
+        con.print("rejected (no rank can run them; not in 'done'): "
+                  + ", ".join(f"{n} {k}" for n, k in rejected.items()))
     con.print("simulated in " + ", ".join(f"{r.name} {r.wall_s:.1f}s" for r in results))
     if plot is not None:
         con.print(f"plot: {plot}")

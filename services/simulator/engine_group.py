@@ -119,6 +119,7 @@ class EngineGroup:
         self.generated = np.zeros(n, dtype=np.int64)
         self.rank_of = np.full(n, -1, dtype=np.int64)
         self.errors = 0
+        self.rejected_new: list[int] = []
         self.done = 0
         self.delivered = 0
         self.holds = 0
@@ -155,11 +156,17 @@ class EngineGroup:
                 else:
                     rs.arrived(seq, now)
             box.clear()
-        for i in rejected:
-            self.errors += 1
-            self.finish_t[i] = now
-            self.done += 1
+        # a request no rank can run ends with an error: counted as done (the run ends) but
+        # never as completed (finish_t stays NaN), and its dispatcher hears that it ended
+        self.errors += len(rejected)
+        self.done += len(rejected)
+        self.rejected_new.extend(rejected)
         return rejected
+
+    def take_rejected(self) -> list[int]:
+        """The requests rejected since the last call (to tell their dispatchers)."""
+        out, self.rejected_new = self.rejected_new, []
+        return out
 
     # ------------------------------------------------------------------ peers' gates / binding
     def gate_view(self, now: float) -> Any:

@@ -60,6 +60,14 @@ def load(name_or_path: str | Path | None = None) -> Profile:
     bad = [k for k, v in eng.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1]
     if bad:
         raise ValueError(f"{path}: engine {', '.join(f'{k}={eng[k]!r}' for k in bad)}: engine limits are integers >= 1")
+    engine = EngineConfig(**eng)
+    kv_tokens = engine.num_kv_blocks * engine.block_size
+    if kv_tokens < engine.max_model_len:
+        # as the live settings: a rank must hold one request of the longest length, else
+        # requests that fit the model fail on every rank
+        raise ValueError(f"{path}: engine num_kv_blocks x block_size = {kv_tokens} tokens of KV per rank, "
+                         f"less than max_model_len ({engine.max_model_len}); raise num_kv_blocks to at "
+                         f"least {-(-engine.max_model_len // engine.block_size)} or lower max_model_len")
     extra = {k: v for k, v in doc.items() if k not in ("name", "source", "engine", "cost")}
-    return Profile(doc.get("name", path.stem), doc.get("source", ""), EngineConfig(**eng),
+    return Profile(doc.get("name", path.stem), doc.get("source", ""), engine,
                    CostModel.checked(cost, str(path), what="cost"), extra)

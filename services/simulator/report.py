@@ -74,6 +74,7 @@ def summarize(r: RunResult, ideal_tok_s: float | None) -> dict[str, Any]:
         "throughput_tok_s": tput,
         "efficiency_vs_ideal": measures.efficiency_vs_ideal(tput, ideal_tok_s),
         "completed": int(done.sum()),
+        "rejected": int(r.counters.get("rejected", 0)),
         "requests": int(r.arrival.size),
         "steps": int(r.step_dur.size),
         "busy_s": busy,

@@ -338,6 +338,9 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
             for asg in binder.bind(t, eng.loads()):
                 eng.deliver(asg, int(asg.request_id))
         out = eng.step(t)
+        if track_finish:
+            for i in eng.take_rejected():
+                push(t + stats_lag, FINISHED, api[i] if n_disp > 1 else 0, i)
         if out is Action.PAUSE or out is Action.HOLD:
             if out is Action.PAUSE and not paused:
                 paused = True
@@ -425,6 +428,7 @@ def resolve_policies(names: str | list[str], cfg: SimConfig) -> list[PolicySpec]
     specs = policy_specs(cfg.lockstep_gate_timeout_ms / 1000.0)
     if isinstance(names, str):
         names = [x.strip() for x in names.split(",") if x.strip()]
+    names = list(dict.fromkeys(names))      # a policy named twice runs once
     if not names or names == ["all"]:
         return list(specs.values())
     bad = [x for x in names if x not in specs]

@@ -63,7 +63,7 @@ class Trace:
     api: np.ndarray            # api-server index (int64)
     name: str = "trace"
     max_tokens: np.ndarray | None = None   # the client's cap (int64); None: max_model_len - prompt
-    clipped: int = 0           # requests whose lengths were cut to fit max_model_len (a replayed trace)
+    clipped: int = 0           # requests whose lengths were cut to fit max_model_len
 
     def caps(self, max_model_len: int) -> np.ndarray:
         """The client's max_tokens of every request."""
@@ -221,9 +221,11 @@ def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
     else:
         prompt = _lengths(rng, n, PROMPT_MEDIAN, PROMPT_SIGMA)
         output = _lengths(rng, n, OUTPUT_MEDIAN, OUTPUT_SIGMA)
+    p0, o0 = prompt, output
     prompt, output = _clip(prompt, output, max_model_len)
+    clipped = int(((prompt != p0) | (output != o0)).sum())
     api = rng.integers(0, max(1, api_servers), n).astype(np.int64)
-    return Trace(t=t, prompt=prompt, output=output, api=api, name=kind)
+    return Trace(t=t, prompt=prompt, output=output, api=api, name=kind, clipped=clipped)
 
 
 def load_jsonl(path: str | Path, api_servers: int | None = 1, seed: int = 0,
