@@ -41,3 +41,49 @@ def test_a_sweep_with_no_peer_judges_no_goal():
     doc = {"default": "default",
            "points": [{"load": 1.0, "policies": {"default": m, "least_score": m}}]}
     assert goal_lines(doc) == ["- load 1: no peer in this run — not judged"]
+
+
+def _m(tp, eff=0.99, tt=50.0, itl=10.0):
+    return {"throughput_tok_s": tp, "ttft_p99_ms": tt, "itl_p99_ms": itl, "efficiency_vs_ideal": eff}
+
+
+def test_a_run_without_the_default_judges_nothing():
+    # (--quick --only vllm looked the default's row up and raised KeyError)
+    from services.simulator.bench_table import check_markdown, goal_lines
+    doc = {"default": None, "points": [{"load": 1.0, "policies": {"vllm": _m(100.0)}}]}
+    assert goal_lines(doc) == ["- load 1: the default policy is not in this run — not judged"]
+    assert "not in this run" in check_markdown({("poisson", "client"): doc})
+
+
+def test_the_uniform_check_names_a_peer_never_a_lockstep_policy():
+    # (it named least_score "best peer", while the goal lines never counted it as one)
+    from services.simulator.bench_table import check_markdown
+    doc = {"default": "default", "points": [{"load": 1.0, "policies": {
+        "default": _m(100.0), "least_score": _m(200.0), "vllm": _m(90.0)}}]}
+    table = check_markdown({("poisson", "client"): doc})
+    assert "| vllm:" in table and "least_score" not in table
+    only_default = {"default": "default", "points": [{"load": 1.0, "policies": {"default": _m(100.0)}}]}
+    assert "no peer in this run" in check_markdown({("poisson", "client"): only_default})
+
+
+def test_an_efficiency_just_under_the_goal_never_reads_as_the_goal():
+    from services.simulator.bench_table import goal_lines
+    doc = {"default": "default", "points": [{"load": 1.0, "policies": {
+        "default": _m(100.0, eff=0.9496), "vllm": _m(90.0)}}]}
+    line = goal_lines(doc)[0]
+    assert "efficiency 0.949 (goal >= 0.95) — NOT met" in line
+
+
+def test_only_refuses_an_unknown_policy_before_running_anything(capsys):
+    from services.simulator.bench_table import main
+    with pytest.raises(SystemExit) as exc:
+        main(["--quick", "--only", "bogus"])
+    assert exc.value.code == 2
+    assert "unknown policies" in capsys.readouterr().err
+
+
+def test_a_sweep_names_the_default_only_when_it_ran():
+    from services.simulator import sweep
+    kw = dict(ranks=2, api_servers=1, workload="poisson", requests=30, seed=1)
+    assert sweep.load_sweep([0.5], policies="vllm", **kw)["default"] is None
+    assert sweep.load_sweep([0.5], policies="default", **kw)["default"] == "default"

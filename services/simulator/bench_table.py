@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -81,6 +82,22 @@ def _num(v: Any, fmt: str) -> str:
     return "no data" if v is None else format(v, fmt)
 
 
+def _own_policies() -> set[str]:
+    """lockstep's policies: never a peer the default is judged against."""
+    from services.simulator.baselines import policy_specs
+    return {n for n, s in policy_specs().items() if s.lockstep}
+
+
+def _peers(pol: dict[str, Any], default: str) -> dict[str, Any]:
+    own = _own_policies()
+    return {n: v for n, v in pol.items() if n != default and n not in NOT_GOALS and n not in own}
+
+
+def _floor3(x: float) -> str:
+    """Three decimals, rounded down: 0.9496 reads 0.949 beside a goal of >= 0.95, not 0.950."""
+    return f"{math.floor(x * 1000) / 1000:.3f}"
+
+
 def goal_lines(doc: dict[str, Any]) -> list[str]:
     """Issue #13's criteria on one sweep, each stated met or NOT met (never asserted).
     A figure with no data is never met."""
@@ -89,8 +106,11 @@ def goal_lines(doc: dict[str, Any]) -> list[str]:
     inf = float("inf")
     for p in doc["points"]:
         pol = p["policies"]
+        if d not in pol:   # (--only without the default): nobody to judge
+            out.append(f"- load {p['load']:g}: the default policy is not in this run — not judged")
+            continue
         me = pol[d]
-        peers = {n: v for n, v in pol.items() if n != d and n not in NOT_GOALS and n not in ("least_score",)}
+        peers = _peers(pol, d)
         if not peers:   # (--only without a peer): nothing to judge against, so nothing is met
             out.append(f"- load {p['load']:g}: no peer in this run — not judged")
             continue
@@ -103,7 +123,7 @@ def goal_lines(doc: dict[str, Any]) -> list[str]:
                  f"{'' if btp is None else ' tok/s'} — {'met' if ok_tp else 'NOT met'}"]
         if p["load"] >= 1.0:
             eff = me["efficiency_vs_ideal"]
-            parts.append(f"efficiency {_num(eff, '.3f')} (goal >= 0.95) — "
+            parts.append(f"efficiency {'no data' if eff is None else _floor3(eff)} (goal >= 0.95) — "
                          f"{'met' if eff is not None and eff >= 0.95 else 'NOT met'}")
         if p["load"] <= 0.8:
             tt, btt = me["ttft_p99_ms"], best_tt[1]["ttft_p99_ms"]
@@ -125,12 +145,16 @@ def check_markdown(docs: dict[str, dict[str, Any]]) -> str:
     rows = ["| workload | deployment | load | default: eff / TTFT p99 / ITL p99 ms | best peer by throughput: same |",
             "|---|---|---:|---:|---|"]
     for (workload, disp), doc in docs.items():
-        d = doc["default"]
+        d = doc.get("default")
         for p in doc["points"]:
             pol = p["policies"]
-            peers = {n: v for n, v in pol.items() if n != d and n not in NOT_GOALS}
-            bn, bv = max(peers.items(), key=lambda kv: kv[1]["throughput_tok_s"] or 0)
-            rows.append(f"| {workload} | {disp} | {p['load']:g} | {_cell(pol[d])} | {bn}: {_cell(bv)} |")
+            peers = _peers(pol, d)
+            best = "no peer in this run"
+            if peers:
+                bn = max(peers, key=lambda n: peers[n]["throughput_tok_s"] or 0)
+                best = f"{bn}: {_cell(peers[bn])}"
+            mine = _cell(pol[d]) if d in pol else "not in this run"
+            rows.append(f"| {workload} | {disp} | {p['load']:g} | {mine} | {best} |")
     return "\n".join(rows)
 
 
@@ -147,6 +171,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="re-run only these policies (comma-separated, e.g. default after changing it) and "
                          "merge them into docs/benchmarks.json; the other rows stay as they were")
     a = ap.parse_args(argv)
+    if a.only:
+        from services.simulator.sim import SimConfig, resolve_policies
+        try:
+            a.only = ",".join(s.name for s in resolve_policies(a.only, SimConfig()))
+        except ValueError as exc:
+            ap.error(f"--only: {exc}")
     if a.from_json:
         data = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
         both = {tuple(k.split(":", 1)): v for k, v in data["uniform"].items()}

@@ -68,7 +68,8 @@ def load_sweep(fractions: list[float], *, ranks: int, api_servers: int, workload
             "capacity": {"requests_per_s": cap,
                          "how": "requests / makespan of the same workload, all at t=0, on the perfectly "
                                 "balanced ideal group (services/simulator/sweep.py)"},
-            "default": runner.DEFAULT_SIM_POLICY,
+            # (None when the default did not run: a reader must not look up a row that is absent)
+            "default": runner.DEFAULT_SIM_POLICY if runner.DEFAULT_SIM_POLICY in first.get("policies", {}) else None,
             "policies": list(first.get("policies", {})),
             "points": points}
 
