@@ -304,6 +304,7 @@ def test_simulate_refuses_options_its_path_does_not_read(tmp_path):
     (["--policies", "default", "--param", "default.budget.min_balance=abc"], "--param default.budget"),
     (["--policies", " , "], "--policies"),
     (["--plot", "/nonexistent-dir/p.png"], "--plot"),
+    (["--plot", "/tmp/p.txt"], ".png"),    # (matplotlib refused it after the whole run: a traceback)
     (["--dispatch", "client", "--view-interval-ms", "-10"], "--view-interval-ms"),
 ])
 def test_simulate_refuses_bad_values_with_the_option_named(args, needle):

@@ -355,3 +355,12 @@ def test_a_policy_named_twice_runs_once():
     doc, res = runner.run(ranks=2, api_servers=1, workload="poisson", requests=20, rate=5.0,
                           policies="least_score,least_score")
     assert list(doc["policies"]) == ["least_score"] and len(res) == 1
+
+
+def test_python_m_simulator_help_shows_flags_without_a_type():
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "services.simulator", "--help"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "COLUMNS": "120"}).stdout
+    assert "--json" in out and "<bool>" not in out

@@ -19,6 +19,9 @@ from services.admin.cmd_common import console as out_console, given as given_opt
 DEFAULT_RATE_PER_RANK = 3.0   # requests/s per rank when --rate is not given
 
 
+PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")   # (matplotlib writes these by suffix)
+
+
 def parse_params(items: list[str]) -> dict[str, dict[str, Any]]:
     """``POLICY.KEY=VALUE`` -> {POLICY: {KEY: VALUE}}; values parsed as JSON when they can be."""
     out: dict[str, dict[str, Any]] = {}
@@ -78,6 +81,9 @@ def simulate(
         refusal = "--policies names none; give a comma list of policies, or 'all'"
     elif plot is not None and not plot.parent.is_dir():
         refusal = f"--plot {plot}: no directory {plot.parent} to write it in (it is written after the run)"
+    elif plot is not None and plot.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        refusal = (f"--plot {plot}: write a picture, named .png (or {', '.join('.' + f for f in PLOT_FORMATS[1:])}); "
+                   "it is written after the run")
     if refusal:
         typer.echo(f"error: {refusal}", err=True)
         raise typer.Exit(2)
