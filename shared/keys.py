@@ -31,11 +31,20 @@ REQ_HASH_TTL_S = 600      # default of the request_record_ttl_s setting (shared/
 BATCH_HASH_TTL_S = 600
 
 
+DEFAULT_NAMESPACE = "ls"
+
+
+def admin_command(command: str, namespace: str) -> str:
+    """The admin CLI command that acts on this namespace's cluster, as a hint to print:
+    ``lockstep status`` hints at the default cluster, not this one."""
+    return f"lockstep {command}" + ("" if namespace == DEFAULT_NAMESPACE else f" -n {namespace}")
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     """Key builder for one namespace."""
 
-    ns: str = "ls"
+    ns: str = DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
         # A brace in the namespace would move the hash tag (Cluster hashes the first {...}).

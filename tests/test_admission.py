@@ -93,3 +93,12 @@ def test_the_bound_reads_a_new_requests_expected_wait_not_the_heads_past_one():
     assert queue_eta_ms(5, 1e-6, 300) == 300          # a rate decayed from long ago is no rate (it read 5e6 s)
     with pytest.raises(ApiError):
         admit(_gw(queue_wait_s(str(queue_eta_ms(30, 2.0, 1000)).encode(), b"100.0", 100.0)), _settings())
+
+
+def test_hints_name_the_clusters_namespace():
+    # (a cluster in -n prod answered "`lockstep status` shows them": that shows the default cluster)
+    from services.api_server.gateway import engine_down_message
+    from shared.keys import admin_command
+    assert admin_command("status", "ls") == "lockstep status"
+    assert admin_command("resume", "prod") == "lockstep resume -n prod"
+    assert "`lockstep status -n prod` shows them" in engine_down_message(0, 4, 31.0, "prod")

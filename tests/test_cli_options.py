@@ -444,3 +444,15 @@ def test_up_refuses_what_its_children_could_never_run(no_start, monkeypatch, tmp
         monkeypatch.delenv("LOCKSTEP_DEVICE")
         _refused(_cli("engine", "--ranks", "0", "--redis-url", "redis://127.0.0.1:1/0", "--device", "cuda"),
                  "no CUDA device is visible")
+
+
+def test_the_up_banner_inspects_its_own_namespace():
+    # (it said "lockstep status", which shows the default cluster, not one in -n prod)
+    from types import SimpleNamespace
+
+    from services.admin.up import UpOptions, banner
+    c = SimpleNamespace(o=UpOptions(namespace="prod"), api_url="http://127.0.0.1:8000", url="redis://127.0.0.1:1",
+                        redis=None, log_dir="/tmp/x")
+    assert "Inspect    lockstep status -n prod" in banner(c)
+    c.o = UpOptions()
+    assert "Inspect    lockstep status\n" in banner(c)

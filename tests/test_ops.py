@@ -106,13 +106,28 @@ def test_steps_marks_the_step_at_which_the_group_paused():
     assert [r["pause"] for r in rows] == [True, False] and rows[1]["dur_ms"] == 9.5
 
 
-def test_status_of_an_empty_namespace_says_there_is_no_cluster(cluster):
-    # it printed "? ranks (?), ? api-servers, policy ?" and an empty table, as if one ran there
+@pytest.mark.parametrize("command", [["status"], ["status", "--json"], ["watch", "--once"], ["watch", "--json"],
+                                     ["steps"], ["drain", "0"]])
+def test_an_empty_namespace_has_no_cluster_and_exits_2(cluster, command):
+    # status printed "? ranks" and an empty table, then "no cluster" with exit 0; watch, steps
+    # and drain exited 0 too (drain wrote <ns>:drained for a cluster that is not there)
     env = {**os.environ, "LOCKSTEP_STATE_DIR": cluster.state_dir}
-    res = subprocess.run([sys.executable, "-m", "services.admin.cli", "status", "--namespace", "nobody-here",
+    res = subprocess.run([sys.executable, "-m", "services.admin.cli", *command, "--namespace", "nobody-here",
                           "--redis-url", cluster.redis_url], capture_output=True, text=True, timeout=30, env=env,
                          cwd=ROOT)
-    assert res.returncode == 0 and "no cluster in namespace 'nobody-here'" in res.stdout, res.stdout
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert "no cluster in namespace 'nobody-here'" in res.stderr and "lockstep up -n nobody-here" in res.stderr
+    drained = asyncio.run(_exists(cluster.redis_url, Keys("nobody-here").drained))
+    assert not drained
+
+
+async def _exists(url: str, key: str) -> bool:
+    from shared.bus import connect
+    r = connect(url)
+    try:
+        return bool(await r.exists(key))
+    finally:
+        await r.aclose()
 
 
 # ------------------------------------------------------------------------- request

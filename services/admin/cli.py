@@ -171,6 +171,9 @@ def status(namespace: str = NS_OPT, redis_url: Optional[str] = URL_OPT,
     except (local_state.NoCluster, RedisUnreachable) as exc:
         _fail(str(exc), 2)
     data = asyncio.run(collect(url, namespace))
+    if not data["cluster"] and not data["ranks"]:
+        from services.admin.cmd_common import no_cluster_message
+        _fail(no_cluster_message(namespace, data["redis_url"]), 2)
     if json:
         typer.echo(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return

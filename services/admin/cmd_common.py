@@ -46,6 +46,24 @@ def resolve(redis_url: str | None, namespace: str) -> str:
     return url
 
 
+def require_cluster(url: str, namespace: str) -> None:
+    """Exit 2 with what to do when nothing of a cluster is recorded in ``namespace`` at
+    ``url`` (a mistyped ``-n`` read as an empty, healthy-looking cluster, exit 0)."""
+    from shared import keys as K
+    from shared.bus import redact_url
+
+    async def recorded(r: Any) -> bool:
+        return bool(await r.exists(K.Keys(namespace).cluster))
+    if not asyncio.run(with_redis(url, recorded)):
+        fail(no_cluster_message(namespace, redact_url(url)), 2)
+
+
+def no_cluster_message(namespace: str, shown_url: str) -> str:
+    from shared import keys as K
+    return (f"no cluster in namespace {namespace!r} at {shown_url} (nothing recorded there): start one with "
+            f"`{K.admin_command('up', namespace)}`, or pass the namespace it runs in (-n NAMESPACE)")
+
+
 def log_level_known(name: str) -> bool:
     """A level the services' settings take (checked before any of them starts)."""
     from shared.settings import LOG_LEVELS

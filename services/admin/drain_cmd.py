@@ -10,7 +10,7 @@ from typing import Any, Optional
 import orjson
 import typer
 
-from services.admin.cmd_common import JSON_OPT, NS_OPT, URL_OPT, emit_json, fail, given, resolve, with_redis
+from services.admin.cmd_common import JSON_OPT, NS_OPT, URL_OPT, emit_json, fail, given, resolve, with_redis, require_cluster
 from shared import keys as K
 
 
@@ -30,7 +30,7 @@ async def set_drained(r: Any, keys: K.Keys, rank: int, drained: bool) -> dict[st
             # (services/scheduler/membership.py), so this drain would change nothing
             return {"error": f"rank {rank} is the last rank taking new work (drained: {sorted(others)}); with "
                              "every rank drained the scheduler places on all of them again. Resume one first "
-                             "(lockstep resume RANK), or stop the cluster"}
+                             f"({K.admin_command('resume', keys.ns)} RANK), or stop the cluster"}
         changed = await r.sadd(keys.drained, rank)
     else:
         changed = await r.srem(keys.drained, rank)
@@ -57,6 +57,7 @@ def drain_cmd(ctx: typer.Context, rank: int = typer.Argument(..., help="DP rank 
     if not wait and given(ctx, "timeout"):
         fail("--timeout bounds --wait; without --wait drain returns at once: add --wait, or drop --timeout", 2)
     url = resolve(redis_url, namespace)
+    require_cluster(url, namespace)   # (resume needs none: it may clear a flag a stopped cluster left)
     keys = K.Keys(namespace)
 
     async def go(r: Any) -> dict[str, Any]:
@@ -80,7 +81,7 @@ def drain_cmd(ctx: typer.Context, rank: int = typer.Argument(..., help="DP rank 
     else:
         typer.echo(f"rank {rank} drained" + ("" if res["changed"] else " (already)")
                    + f"; drained ranks: {res['drained_ranks']}. The scheduler stops placing work there within "
-                     "~250 ms; requests already on it finish there. Undo: lockstep resume " + str(rank))
+                     f"~250 ms; requests already on it finish there. Undo: {K.admin_command('resume', namespace)} {rank}")
         if wait:
             typer.echo(f"rank {rank} is idle" if res["idle"] else f"rank {rank} still has work after {timeout:g}s: "
                                                                   f"{res['load']}")

@@ -91,8 +91,8 @@ def render(data: dict[str, Any]) -> Any:
 
     c = data["cluster"]
     if not c and not data["ranks"]:
-        return Text(f"no cluster in namespace {data['namespace']!r} at {data['redis_url']} (nothing recorded "
-                    "there: start one with `lockstep up`, or pass the namespace it runs in, --namespace)")
+        from services.admin.cmd_common import no_cluster_message
+        return Text(no_cluster_message(data["namespace"], data["redis_url"]))
     head = Text(f"lockstep [{data['namespace']}] at {data['redis_url']}: "
                 f"{c.get('ranks', '?')} ranks ({c.get('backend', '?')}), {c.get('api_servers', '?')} api-servers, "
                 f"policy {c.get('policy', '?')}, dispatch {c.get('dispatch', '?')}")

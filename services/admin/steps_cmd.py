@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from services.admin.cmd_common import console as out_console, fail, JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, resolve, with_redis
+from services.admin.cmd_common import console as out_console, fail, JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, resolve, with_redis, require_cluster
 from shared import keys as K
 from shared.bus import decode_entries
 
@@ -48,6 +48,7 @@ def steps_cmd(count: int = typer.Option(10, "--count", "-c", min=1, max=20_000, 
               namespace: str = NS_OPT, redis_url: Optional[str] = URL_OPT, json: bool = JSON_OPT) -> None:
     """The last N finalized steps, one row per rank (from the scheduler's <ns>:steps stream)."""
     url = resolve(redis_url, namespace)
+    require_cluster(url, namespace)
     keys = K.Keys(namespace)
     snaps = asyncio.run(with_redis(url, lambda r: read_steps(r, keys, count)))
     seen = sorted({int(k) for s in snaps for k in s["ranks"]})

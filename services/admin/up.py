@@ -368,6 +368,6 @@ def banner(cluster: LocalCluster) -> str:
         f"  API        {cluster.api_url}   (OpenAI-compatible; model '{served_model(o)}')",
         f"  Redis      {redact_url(cluster.url)}" + ("   (embedded, stops with this command)" if cluster.redis else ""),
         f"  Logs       {cluster.log_dir}",
-        "  Inspect    lockstep status",
+        f"  Inspect    {K.admin_command('status', o.namespace)}",
         "  Stop       Ctrl-C",
     ])

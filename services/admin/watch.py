@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import typer
 
-from services.admin.cmd_common import console as out_console, JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, resolve
+from services.admin.cmd_common import console as out_console, JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, resolve, require_cluster
 from services.admin.steps_cmd import read_steps
 from shared import keys as K
 from shared.bus import decode_entries, entry_id_key
@@ -197,6 +197,7 @@ def watch_cmd(interval: float = typer.Option(1.0, "--interval", "-i", min=0.1, h
               namespace: str = NS_OPT, redis_url: Optional[str] = URL_OPT, json: bool = JSON_OPT) -> None:
     """Live dashboard: per-rank load bars, step rate, balance ratio, idle-forward fraction, queues, TTFT."""
     url = resolve(redis_url, namespace)
+    require_cluster(url, namespace)
     if json:
         emit_json(asyncio.run(collect_frame(url, namespace, window)))
         return

@@ -122,7 +122,7 @@ def engine_down_message(live: int, ranks: int, for_s: float, namespace: str) -> 
     else:
         why = (f"only {live} of the {ranks} engine ranks of cluster {namespace!r} have been live for {for_s:.0f} s, "
                "and the group steps only with all of them (a rank is down and not replaced: start it, or a hot spare")
-    return why + "; `lockstep status` shows them)"
+    return why + f"; `{K.admin_command('status', namespace)}` shows them)"
 
 
 class Gateway:
