@@ -44,6 +44,8 @@ def test_a_group_short_of_a_rank_ends_the_wait_with_a_503_and_serves_once_whole(
     stopped = None
     try:
         poll_until(lambda: httpx.get(health, timeout=5).json().get("ranks_live") == ranks, 30, "every rank live")
+        ready = health.rsplit("/", 1)[0] + "/ready"
+        assert httpx.get(ready, timeout=5).status_code == 200
         pid = _status(cluster)["ranks"][stalled]["pid"]
         stream = client.completions.create(model=MODEL, prompt="hi", max_tokens=3000, stream=True,
                                            extra_body={"ignore_eos": True})
@@ -59,6 +61,10 @@ def test_a_group_short_of_a_rank_ends_the_wait_with_a_503_and_serves_once_whole(
         assert err.value.code == "engine_unavailable", err.value.body
         assert time.monotonic() - t0 < 30                      # not request_timeout_s (600 s)
         assert httpx.get(health, timeout=5).json()["ranks_live"] == ranks - 1
+        # liveness stays 200 (restarting the api-server would not help); readiness says no
+        assert httpx.get(health, timeout=5).status_code == 200
+        not_ready = httpx.get(ready, timeout=5)
+        assert not_ready.status_code == 503 and not_ready.json()["reason"] == "engine_group_incomplete"
 
         r = httpx.post(cluster.api_url + "/completions", timeout=30,
                        json={"model": MODEL, "prompt": "hi", "max_tokens": 4})
@@ -69,6 +75,7 @@ def test_a_group_short_of_a_rank_ends_the_wait_with_a_503_and_serves_once_whole(
         os.kill(pid, signal.SIGCONT)                           # whole again: requests are served
         stopped = None
         poll_until(lambda: httpx.get(health, timeout=5).json().get("ranks_live") == ranks, 60, "every rank live again")
+        assert httpx.get(ready, timeout=5).status_code == 200
         done = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={"ignore_eos": True})
         assert done.usage.completion_tokens == 4
         # The abandoned request was aborted: it does not run on for nobody.

@@ -224,6 +224,24 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         return _json({"status": "ok", "redis": True, "api_id": api_id, "inflight": len(gw.channels),
                       "ranks": gw.num_ranks, "ranks_live": gw.ranks_live})
 
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness (a load balancer's or Kubernetes' probe): 200 only while a request would be
+        served now: Redis answers and every rank of the engine group has a heartbeat (it steps
+        only with all of them). ``/health`` stays liveness: this process and its Redis."""
+        gw: Gateway = state["gw"]
+        try:
+            await asyncio.wait_for(state["r"].ping(), 1.0)
+        except Exception:  # noqa: BLE001
+            return _json({"status": "unready", "reason": "redis_unavailable", "api_id": api_id}, 503)
+        body = {"api_id": api_id, "ranks": gw.num_ranks, "ranks_live": gw.ranks_live}
+        if gw.ranks_live is None or gw.ranks_live < gw.num_ranks:
+            return _json({"status": "unready", "reason": "engine_group_incomplete", **body,
+                          "message": f"{gw.ranks_live or 0} of the engine group's {gw.num_ranks} ranks have a "
+                                     f"heartbeat; it steps only with all of them "
+                                     f"(`{K.admin_command('status', keys.ns)}` shows which)"}, 503)
+        return _json({"status": "ready", **body})
+
     @app.get("/metrics")
     async def prom() -> Response:
         gw = state.get("gw")
