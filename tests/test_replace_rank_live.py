@@ -68,6 +68,7 @@ def test_replaced_rank_group_serves_every_rank(tmp_path, victim):
             _poll(lambda: _paused(r, k), 20, "group paused")
         old_pid = int(r.hget(k.rank_info(victim), "pid"))
         gen = int(r.hget(k.dist, "gen"))
+        r.hset(k.rank_info(victim), "idle_forwards", 999_999)   # the predecessor's count, made unmistakable
         os.kill(old_pid, signal.SIGKILL)
 
         def replaced():
@@ -77,6 +78,8 @@ def test_replaced_rank_group_serves_every_rank(tmp_path, victim):
                     and int(d.get(b"gen", 0)) > gen and d.get(b"formed") == b"1")
         _poll(replaced, 60, "a spare took the rank and the group re-formed")
         _poll(lambda: _paused(r, k), 30, "re-formed group paused")
+        # the replacement shows its own idle forwards, not its predecessor's (status, watch)
+        assert int(r.hget(k.rank_info(victim), "idle_forwards")) != 999_999
 
         # Work for one rank alone wakes the whole group (the others must join its steps),
         # then for every rank at once; pause after pause.

@@ -120,7 +120,9 @@ class EngineWorker:
                     self.log.error("engine_group_lost", error=str(lost))
                     return 4
             st.backend = self._make_backend()
-            await self.r.hset(self.keys.rank_info(rank), mapping={"ready": time.time(), "wave": 0, "step": 0})
+            # (idle_forwards counts this process's: a replacement does not show its predecessor's)
+            await self.r.hset(self.keys.rank_info(rank), mapping={"ready": time.time(), "wave": 0, "step": 0,
+                                                                  "idle_forwards": st.idle_forwards})
             from services.engine_worker.metrics import start_metrics
             port = self.s.metrics_port + rank if self.s.spare and self.s.metrics_port else self.s.metrics_port
             st.metrics = start_metrics(port, rank)
