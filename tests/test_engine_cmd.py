@@ -153,3 +153,20 @@ def test_a_rank_counts_as_joined_only_from_a_process_of_this_host(redis_url, nam
         mine.kill()
         mine.wait(10)
         r.close()
+
+
+def test_a_host_whose_every_rank_is_served_elsewhere_exits_with_why(tmp_path):
+    # `lockstep engine --ranks 1` beside a live rank 1 said "a spare took the rank" and then
+    # idled, supervising nothing
+    from services.admin.engine_cmd import SLOT_TAKEN_CODE
+    from services.admin.supervisor import Child
+
+    said: list[str] = []
+    host = EngineHost(EngineHostOptions(ranks=[1], redis_url="redis://h:1/0", advertise_addr="127.0.0.1", world=2,
+                                        namespace="prod", log_dir=str(tmp_path)), out=said.append)
+    taken = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({SLOT_TAKEN_CODE})"])
+    taken.wait(30)
+    host.children.append(Child("engine-1", taken, tmp_path / "engine-1.log"))
+    fatal = host.check_fatal()
+    assert fatal is not None and "nothing left to run here" in fatal and "lockstep status -n prod" in fatal
+    assert "already served when this host started" in said[0]

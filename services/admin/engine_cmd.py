@@ -211,8 +211,17 @@ class EngineHost(Supervisor):
                 return f"{c.role} exited with code {code}. Last log lines:\n{tail(c.log)}"
             if code == SLOT_TAKEN_CODE and c.role.startswith("engine-"):
                 self.children.remove(c)
-                self.out(f"lockstep engine: {c.role}'s slot is held by another process (a spare took the rank "
-                         f"over); not restarting it. Log: {c.log}")
+                why = ("a spare took the rank over" if self.joined else
+                       "it was already served when this host started: by another `lockstep engine` "
+                       "with the same rank, or by a spare")
+                self.out(f"lockstep engine: {c.role}'s slot is held by another process ({why}); "
+                         f"not restarting it. Log: {c.log}")
+                if not self.spares and not any(x.proc.poll() is None for x in self.children):
+                    # (it idled on, supervising nothing, as if it served a rank)
+                    return ("every rank of this host is served by another process, and it keeps no spare: "
+                            "nothing left to run here. Start it with other --ranks "
+                            f"(`{K.admin_command('status', self.namespace)}` shows who holds which), "
+                            "or with --spares N to stand by")
         return None
 
     async def joined_gen(self) -> int | None:
