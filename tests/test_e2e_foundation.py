@@ -21,7 +21,7 @@ from shared.keys import Keys
 from shared.stats import RankStats, Snapshot
 from shared.tokenizer import encode
 from tests.conftest import ROOT, start_cluster
-from tests.helpers import sim_expected_text, wait_until
+from tests.helpers import poll_until, sim_expected_text, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "lockstep-moe"
@@ -280,6 +280,12 @@ def test_status_json(sim_cluster):
     assert all(r["alive"] and r["pid"] > 0 for r in data["ranks"])
     assert data["scheduler"]["leader"]
     assert data["scheduler"]["counters"].get("dispatched", 0) >= 0
+    # (these were strings: "1234", "[0, 1]")
+    assert isinstance(data["scheduler"]["pid"], int) and isinstance(data["scheduler"]["since"], float)
+    poll_until(lambda: "live" in json.loads(sim_cluster.cli("status", "--json").stdout)["scheduler"], 30,
+               "the leader's first renewal")
+    sched = json.loads(sim_cluster.cli("status", "--json").stdout)["scheduler"]
+    assert sched["live"] == [0, 1] and sched["drained"] == []
     # Piped, the table keeps its columns whole (rich's 80 columns cut them to "wait…", "runni…")
     table = sim_cluster.cli("status")
     assert table.returncode == 0 and "waiting" in table.stdout and "running" in table.stdout, table.stdout

@@ -26,6 +26,13 @@ def _number(v: str) -> Any:
     return f if math.isfinite(f) else v
 
 
+def _json_field(v: str) -> Any:
+    try:
+        return orjson.loads(v)
+    except orjson.JSONDecodeError:
+        return v
+
+
 async def collect(url: str, namespace: str) -> dict[str, Any]:
     k = K.Keys(namespace)
     r = connect(url, timeout_s=5.0)
@@ -71,6 +78,9 @@ async def collect(url: str, namespace: str) -> dict[str, Any]:
     leader, sched, snap, req_len, drained = res[n * 4:]
     sched = {a.decode(): b.decode() for a, b in sched.items()} if isinstance(sched, dict) else {}
     counters = orjson.loads(sched.pop("counters")) if "counters" in sched else {}
+    # as JSON has them: numbers (pid, since, t) and the lists written as JSON (live, drained)
+    sched = {key: _json_field(val) if key in ("live", "drained") else _number(val) if key in ("pid", "since", "t")
+             else val for key, val in sched.items()}
     snapshot = orjson.loads(snap) if snap else None
     return {
         "namespace": namespace, "redis_url": redact_url(url), "cluster": cluster,
