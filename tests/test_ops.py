@@ -417,3 +417,16 @@ def test_api_server_output_streams_keep_their_ttl(cluster, client):
 
     ttls = redis_get(cluster, stream_ttls)
     assert ttls and all(0 < t <= OUT_STREAM_TTL_S for t in ttls), ttls
+
+
+def test_status_says_how_many_dispatches_were_resumed_requests():
+    # (a resumed request is placed again and counted in dispatched: read as new work before)
+    from rich.console import Console
+
+    from services.admin.status import render
+    data = {"namespace": "ls", "redis_url": "redis://x", "cluster": {"ranks": 1}, "ranks": [],
+            "scheduler": {"leader": "s", "counters": {"dispatched": 12, "resumed": 3}}, "queues": {"requests": 0},
+            "drained": [], "spares": [], "snapshot": None}
+    con = Console(width=300, record=True)
+    con.print(render(data))
+    assert "dispatched 12 (of which 3 placed again after their rank died)" in con.export_text()

@@ -116,7 +116,9 @@ def render(data: dict[str, Any]) -> Any:
                   str(r["waiting"]), str(r["running"]), kv, str(r["idle_forwards"]), str(r["inbox_pending"]))
     s = data["scheduler"]
     snap = data["snapshot"]
-    tail = Text(f"scheduler: leader {s.get('leader') or 'NONE'}; dispatched {s['counters'].get('dispatched', 0)}; "
+    resumed = s["counters"].get("resumed", 0)   # placed again after their rank died: counted in dispatched too
+    tail = Text(f"scheduler: leader {s.get('leader') or 'NONE'}; dispatched {s['counters'].get('dispatched', 0)}"
+                + (f" (of which {resumed} placed again after their rank died)" if resumed else "") + "; "
                 f"requests stream {data['queues']['requests']} entries; "
                 + (f"snapshot wave {snap['wave']} step {snap['step']} ({snap['age_s']}s ago)" if snap else "no snapshot yet")
                 + (f"; drained ranks {data['drained']}" if data["drained"] else "")
