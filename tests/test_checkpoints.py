@@ -290,3 +290,19 @@ def test_a_block_scaled_fp8_checkpoint_is_dequantized_on_load(checkpoints, tmp_p
     cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
     with pytest.raises(ValueError, match="'awq'.*not supported"):
         HFConfig.from_dict(cfg)
+
+
+def test_an_fp8_tensor_without_its_scale_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from services.engine_worker.model.loader import load_weights
+    w = torch.ones(4, 4).to(torch.float8_e4m3fn)
+    save_file({"w": w}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="FP8 without a block scale"):
+        load_weights({"w": torch.empty(4, 4)}, tmp_path, fp8_block=(2, 2))   # a config with a tile, no scale
+    with pytest.raises(ValueError, match="FP8 without a block scale"):
+        load_weights({"w": torch.empty(4, 4)}, tmp_path)                     # no tile in the config
+    save_file({"w": w, "w_scale_inv": torch.full((2, 2), 0.5)}, str(tmp_path / "model.safetensors"))
+    out = torch.empty(4, 4)
+    load_weights({"w": out}, tmp_path, fp8_block=(2, 2))
+    assert torch.equal(out, torch.full((4, 4), 0.5))
