@@ -84,11 +84,12 @@ class Settings(BaseSettings):
     @classmethod
     def _no_pattern_characters(cls, v: str) -> str:
         # the services find a namespace's keys by SCAN patterns (spares, ranks): a namespace
-        # with glob characters matched none of its own, and `up` waited for spares for ever
-        bad = sorted(set(v) & set("*?[]\\"))
+        # with glob characters matched none of its own, and `up` waited for spares for ever;
+        # a brace would move the keys' Redis Cluster hash tag (shared/keys.py)
+        bad = sorted(set(v) & set("*?[]\\{}"))
         if bad:
-            raise ValueError(f"must not contain {' '.join(bad)} (Redis key patterns read them as wildcards); "
-                             "use letters, digits and - _ . : /")
+            raise ValueError(f"must not contain {' '.join(bad)} (Redis key patterns read them as wildcards, "
+                             "Redis Cluster braces as a hash tag); use letters, digits and - _ . : /")
         return v
 
     @field_validator("log_level")

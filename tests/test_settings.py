@@ -131,6 +131,8 @@ def test_a_busy_level_set_in_full_steps_keeps_its_meaning_in_tokens():
     # glob characters: `up` never saw its own spares (SCAN patterns) and waited for ever
     (EngineSettings, {"LOCKSTEP_NAMESPACE": "pf[1]"}, "must not contain [ ]"),
     (ApiServerSettings, {"LOCKSTEP_NAMESPACE": "a*"}, "must not contain *"),
+    # braces: `up` said "starting..." and then failed on the key schema's refusal
+    (SchedulerSettings, {"LOCKSTEP_NAMESPACE": "a{b}"}, "must not contain { }"),
 ])
 def test_settings_no_service_can_run_with_are_refused_up_front(cls, env, says):
     with pytest.raises(SettingsError, match=re.escape(says)):
