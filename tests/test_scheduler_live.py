@@ -218,3 +218,34 @@ async def _out_has_abort(r: Any, keys: K.Keys, api: str, rid: str) -> bool:
 async def _nothing_pending(r: Any, keys: K.Keys) -> bool:
     info = await r.xpending(keys.requests, K.SCHEDULER_GROUP)
     return not info.get("pending")
+
+
+async def test_a_request_a_stepped_down_leader_still_holds_is_taken_back(redis_url, namespace, monkeypatch):
+    """A leader that stalls past its lease steps down, not dies: an entry it read just
+    before (or held unplaced) stays pending under its consumer after the successor's one
+    reclaim at take-over. It was stranded for good: its client waited out the request
+    timeout and the stream's trim stopped at it. The leader now takes such entries back
+    once they have been pending long enough (STRANDED_*)."""
+    from services.scheduler import intake
+    monkeypatch.setattr(intake, "STRANDED_MIN_S", 0.3, raising=False)
+    monkeypatch.setattr(intake, "STRANDED_LEASES", 0, raising=False)
+    monkeypatch.setattr(intake, "STRANDED_SWEEP_S", 0.2, raising=False)
+    svc = SchedulerService(_settings(redis_url, namespace, policy="least_score"))
+    keys = svc.keys
+    r = connect(redis_url)
+    try:
+        async with running(svc):
+            await r.xadd(keys.requests, {FIELD: _req("warm")})
+            await wait_until(lambda: _have(r, keys, {"warm"}), timeout=5)   # its take-over reclaim is past
+            # the old leader's last read: in one transaction, so the live leader's blocked
+            # read cannot get the entry first
+            pipe = r.pipeline(transaction=True)
+            pipe.xadd(keys.requests, {FIELD: _req("S")})
+            pipe.xreadgroup(K.SCHEDULER_GROUP, "sched-old", {keys.requests: ">"}, count=1)
+            _, got = await pipe.execute()
+            assert got, "the old consumer read the entry"
+            docs = await wait_until(lambda: _have(r, keys, {"S"}), timeout=10)
+            assert docs["S"]["r"] in (0, 1)
+            await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
+    finally:
+        await r.aclose()

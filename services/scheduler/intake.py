@@ -20,6 +20,12 @@ from shared.policy.staggered import BatcherFull
 from shared.settings import SchedulerSettings
 
 RETRY_DEFERRED_S = 0.5      # take back entries left unacked on purpose (back-pressure, an error) after this
+# Entries another consumer read and left pending this long are stranded: a leader that
+# stalled past its lease stepped down holding them (read, or held unplaced), and no restart
+# comes to take them back. Long enough that a stalled leader has noticed its loss first.
+STRANDED_MIN_S = 10.0
+STRANDED_LEASES = 5         # ... or this many leases, whichever is longer
+STRANDED_SWEEP_S = 5.0      # how often the leader looks for them
 
 
 class Intake:
@@ -30,6 +36,8 @@ class Intake:
         self.r, self.keys, self.s, self.id = r, keys, settings, consumer
         self.state, self.writer, self.log = state, writer, log
         self._retry_at = 0.0                  # monotonic time to take back deferred entries (0: none)
+        self._sweep_at = time.monotonic() + STRANDED_SWEEP_S
+        self.stranded_ms = int(max(STRANDED_MIN_S * 1000, STRANDED_LEASES * settings.lease_ms))
 
     async def iteration(self) -> None:
         if self.state.redis_trouble:
@@ -43,6 +51,12 @@ class Intake:
             # Entries deliberately left unacked (back-pressure, a failed hand-off): again.
             self._retry_at = 0.0
             await self._reclaim_pending()
+        elif time.monotonic() >= self._sweep_at:
+            # Entries a predecessor that stepped down (not crashed) still holds: nobody else
+            # takes them back, their clients would wait out request_timeout_s, and the
+            # stream's trim stops at the oldest of them.
+            self._sweep_at = time.monotonic() + STRANDED_SWEEP_S
+            await self._reclaim_pending(self.stranded_ms)
         block = 1000 if not self._retry_at else max(1, min(1000, int((self._retry_at - time.monotonic()) * 1000)))
         resp = await self.r.xreadgroup(K.SCHEDULER_GROUP, self.id, {self.keys.requests: ">"},
                                        count=self.s.read_count, block=block)
@@ -52,14 +66,16 @@ class Intake:
                 trace.mark("sched_read")
             await self.handle(entries)
 
-    async def _reclaim_pending(self) -> None:
+    async def _reclaim_pending(self, min_idle_ms: int = 0) -> None:
         """Take over entries read but never acked (by a dead leader, or by us before an
-        outage). A request that already has a rank in its record goes to that same rank
-        again (the engine ignores a second copy), so each is dispatched exactly once."""
+        outage; with ``min_idle_ms``, only those pending that long: stranded ones). A
+        request that already has a rank in its record goes to that same rank again (the
+        engine ignores a second copy), so each is dispatched exactly once. Our own
+        unplaced requests stay where they are."""
         start = "0-0"
         while True:
             nxt, claimed, *_ = await self.r.xautoclaim(self.keys.requests, K.SCHEDULER_GROUP, self.id,
-                                                        min_idle_time=0, start_id=start, count=1000)
+                                                        min_idle_time=min_idle_ms, start_id=start, count=1000)
             entries = [e for e in (decode_entries([(self.keys.requests.encode(), claimed)]) if claimed else [])
                        if not (e[2].get("k") == "req" and e[2].get("id") in self.state.unplaced)]
             if entries:
