@@ -87,6 +87,16 @@ def test_history_with_tool_messages_and_null_content():
     assert q.prompt_text.endswith("<|assistant|>\n\n<|assistant|>\n")
 
 
+@pytest.mark.parametrize("content", ["", "Let me check."])
+def test_an_assistant_turn_with_text_and_tool_calls_keeps_its_calls_in_the_prompt(content):
+    # (only content null rendered them: "" (LangChain's) or words dropped them silently)
+    msgs = [*MSGS, {"role": "assistant", "content": content, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    p = parse({"model": "m", "messages": msgs}, "chat", served_model="m", max_model_len=4096, num_ranks=1)
+    assert '"name":"get_weather"' in p.prompt_text and f"<|assistant|>\n{content}" in p.prompt_text
+
+
 def test_message_of_an_output():
     named = ToolCall("named", ["json", "{}"], "get_time")
     msg, finish = message(named, '{"tz": "UTC"}', "stop")

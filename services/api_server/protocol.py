@@ -167,14 +167,16 @@ def _prompt_tokens(prompt: Any) -> tuple[list[int], str]:
     raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
 
 
-def _messages(msgs: list[ChatMessage]) -> list[dict[str, Any]]:
+def _messages(msgs: list[ChatMessage], calls_as_text: bool = False) -> list[dict[str, Any]]:
     """The chat turns as the templates take them: role and text content (and a tool turn's
-    call id, an assistant turn's earlier calls)."""
+    call id, an assistant turn's earlier calls). ``calls_as_text``: a template that reads
+    no ``tool_calls`` (the byte model's) gets an assistant turn's calls in its text, after
+    whatever text the turn has (they were lost where that text was "" or words)."""
     out = []
     for i, m in enumerate(msgs):
         content = m.content
         calls = m.tool_calls if m.role == "assistant" else None
-        if content is None and m.role == "assistant":
+        if content is None and m.role == "assistant" and not calls_as_text:
             # an assistant turn that called tools: the calls are its text in the prompt
             content = tools.render_calls(calls) if calls else ""
         if isinstance(content, list):
@@ -182,6 +184,9 @@ def _messages(msgs: list[ChatMessage]) -> list[dict[str, Any]]:
                 raise ApiError(400, f"messages[{i}].content: only text parts are supported",
                                param=f"messages[{i}].content")
             content = "".join(part.text for part in content)  # type: ignore[misc]
+        if calls_as_text and m.role == "assistant" and (calls or content is None):
+            rendered = tools.render_calls(calls) if calls else ""
+            content = "\n".join(x for x in (content, rendered) if x)
         if content is None:
             raise ApiError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
         d: dict[str, Any] = {"role": m.role, "content": content}
@@ -228,7 +233,7 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
     if chat and tok is not None:
         text, prompt = hf_text.chat_prompt(tok, _messages(b.messages))
     elif chat:
-        text = tools.tools_block(tool_defs) + chat_template(_messages(b.messages))
+        text = tools.tools_block(tool_defs) + chat_template(_messages(b.messages, calls_as_text=True))
         prompt = encode(text)
     else:
         batch = _prompts(b.prompt, _prompt_tokens if tok is None else partial(hf_text.completion_prompt, tok))
@@ -357,7 +362,7 @@ def parse_tokenize(body: bytes | Any, served_model: str, tok: Any = None) -> tup
     if tok is not None:
         return hf_text.chat_prompt(tok, _messages(b.messages), gen)[1], strs
     # tools are shown in the prompt as a chat completion shows them, so the count is the same
-    return encode(tools.tools_block(tools.tool_defs(b.tools)) + chat_template(_messages(b.messages), gen)), strs
+    return encode(tools.tools_block(tools.tool_defs(b.tools)) + chat_template(_messages(b.messages, calls_as_text=True), gen)), strs
 
 
 def parse_detokenize(body: bytes | Any, served_model: str, tok: Any = None) -> list[int]:
