@@ -139,13 +139,16 @@ def exercise_tools(c, model: str = MODEL) -> None:
             _check_weather(t.function.arguments)
         else:
             assert t.function.name == "get_time" and json.loads(t.function.arguments)["tz"] in ("UTC", "CET")
-    calls, finish = [], None
+    calls, finish, contents = [], None, []
     for ck in c.chat.completions.create(model=model, messages=MSGS, tools=[WEATHER], max_tokens=2000, seed=3,
                                         stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}}):
         for x in ck.choices:
             calls += x.delta.tool_calls or []
             finish = x.finish_reason or finish
+            contents.append(x.delta.content)
     assert finish == "stop" and len(calls) == 1 and calls[0].function.name == "get_weather"
+    # content null throughout, as the non-streamed message's (the role chunk said "")
+    assert contents and all(x is None for x in contents), contents
     _check_weather(calls[0].function.arguments)
     r = c.chat.completions.create(model=model, messages=MSGS, tools=[WEATHER], tool_choice="none", max_tokens=5)
     assert r.choices[0].message.tool_calls is None and isinstance(r.choices[0].message.content, str)

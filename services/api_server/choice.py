@@ -111,7 +111,8 @@ class StreamChoice:
             return out
         if not self.started:
             if p.kind == "chat":
-                out.append(self._entry("", None, role=True))
+                # a tool-call stream's content is null, as its non-streamed message's (OpenAI's)
+                out.append(self._entry(None if p.tool_call is not None else "", None, role=True))
                 self.started = True
             elif not p.echo:
                 self.started = True
