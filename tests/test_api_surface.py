@@ -45,6 +45,13 @@ def test_models_retrieve(client):
     assert body["type"] == "not_found_error"
 
 
+def test_a_wrong_method_is_a_405_that_says_which_methods_it_takes(root):
+    # (it had no Allow header, which HTTP requires, and no code)
+    r = httpx.put(root + "/v1/chat/completions", json={}, timeout=10)
+    assert r.status_code == 405 and r.headers.get("allow") == "POST"
+    assert r.json()["error"]["code"] == "method_not_allowed"
+
+
 def test_tokenize_prompt_and_messages(root):
     r = httpx.post(root + "/tokenize", json={"model": MODEL, "prompt": "héllo"}, timeout=10)
     assert r.status_code == 200

@@ -198,8 +198,10 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         return error_response(404, f"no route {request.method} {request.url.path}", code="not_found")
 
     @app.exception_handler(405)
-    async def _bad_method(request: HttpRequest, _: Exception) -> Response:
-        return error_response(405, f"method {request.method} not allowed on {request.url.path}")
+    async def _bad_method(request: HttpRequest, exc: Exception) -> Response:
+        allow = dict(getattr(exc, "headers", None) or {})   # the methods it takes (HTTP requires Allow)
+        return error_response(405, f"method {request.method} not allowed on {request.url.path}",
+                              code="method_not_allowed", headers=allow or None)
 
     @app.exception_handler(Exception)
     async def _crash(_: HttpRequest, exc: Exception) -> Response:
