@@ -181,3 +181,10 @@ def test_tokenize_counts_the_tools_as_chat_bills_them(sim_cluster):
     with openai.OpenAI(base_url=sim_cluster.api_url, api_key="unused", max_retries=0, timeout=30) as c:
         r = c.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], tool_choice="none", max_tokens=1)
     assert r.usage.prompt_tokens == n
+
+
+def test_text_parts_are_joined_by_new_lines():
+    # as vLLM joins them ("a" and "b" ran together as "ab")
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    p = parse({"model": "m", "messages": msgs}, "chat", served_model="m", max_model_len=4096, num_ranks=1)
+    assert "<|user|>\na\nb\n" in p.prompt_text

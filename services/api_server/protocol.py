@@ -183,7 +183,7 @@ def _messages(msgs: list[ChatMessage], calls_as_text: bool = False) -> list[dict
             if any(part.type != "text" or part.text is None for part in content):
                 raise ApiError(400, f"messages[{i}].content: only text parts are supported",
                                param=f"messages[{i}].content")
-            content = "".join(part.text for part in content)  # type: ignore[misc]
+            content = "\n".join(part.text for part in content)  # type: ignore[misc]  (as vLLM joins them)
         if calls_as_text and m.role == "assistant" and (calls or content is None):
             rendered = tools.render_calls(calls) if calls else ""
             content = "\n".join(x for x in (content, rendered) if x)
