@@ -50,7 +50,7 @@ def test_the_only_rank_back_from_a_stall_goes_on_with_its_own_work(tmp_path, mon
             os.kill(pid, signal.SIGSTOP)
             stopped = pid
             # The scheduler takes it for dead (its membership change runs a scan at once).
-            poll_until(lambda: json.loads(_status(cluster)["scheduler"].get("live", "[0]")) == [], timeout=60,
+            poll_until(lambda: _status(cluster)["scheduler"].get("live", [0]) == [], timeout=60,
                        what="the scheduler takes the stalled rank for dead", interval=0.2)
             os.kill(pid, signal.SIGCONT)
             stopped = None
