@@ -117,17 +117,7 @@ def test_an_empty_namespace_has_no_cluster_and_exits_2(cluster, command):
                          cwd=ROOT)
     assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
     assert "no cluster in namespace 'nobody-here'" in res.stderr and "lockstep up -n nobody-here" in res.stderr
-    drained = asyncio.run(_exists(cluster.redis_url, Keys("nobody-here").drained))
-    assert not drained
-
-
-async def _exists(url: str, key: str) -> bool:
-    from shared.bus import connect
-    r = connect(url)
-    try:
-        return bool(await r.exists(key))
-    finally:
-        await r.aclose()
+    assert not redis_get(cluster, lambda r: r.exists(Keys("nobody-here").drained))
 
 
 # ------------------------------------------------------------------------- request

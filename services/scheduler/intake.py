@@ -1,6 +1,6 @@
 """The request stream ``<ns>:requests`` (group ``scheduler``): read new entries, take back
 what was read and never acked (a dead leader's, ours before an outage, entries deferred on
-purpose), and turn each into a dispatch, an unplaced request or a routed abort, acked in the
+purpose, a stepped-down leader's stranded ones), and turn each into a dispatch, an unplaced request or a routed abort, acked in the
 same transaction as what it caused."""
 
 from __future__ import annotations

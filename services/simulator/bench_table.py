@@ -10,6 +10,7 @@ and merges them into the last full run (the peers' code did not change, nor thei
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -82,10 +83,11 @@ def _num(v: Any, fmt: str) -> str:
     return "no data" if v is None else format(v, fmt)
 
 
-def _own_policies() -> set[str]:
+@functools.cache
+def _own_policies() -> frozenset[str]:
     """lockstep's policies: never a peer the default is judged against."""
     from services.simulator.baselines import policy_specs
-    return {n for n, s in policy_specs().items() if s.lockstep}
+    return frozenset(n for n, s in policy_specs().items() if s.lockstep)
 
 
 def _peers(pol: dict[str, Any], default: str) -> dict[str, Any]:
