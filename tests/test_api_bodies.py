@@ -40,8 +40,10 @@ def _err(body: dict | bytes, kind: str = "completion") -> ApiError:
      'must be one of "json_object", "json_schema", "text", got "xml"'),
     ({"model": "m", "prompt": "x", "structured_outputs": {"regex": "a", "foo": 1}}, "completion",
      "structured_outputs", "has no field 'foo'"),
-    ({"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "completion",
-     "stream_options", "'stream_options.include_usage' must be a boolean, got 1"),
+    ({"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": 2}}, "completion",
+     "stream_options", "'stream_options.include_usage' must be a boolean, got 2"),
+    ({"model": "m", "prompt": "x", "temperature": "warm"}, "completion", "temperature",
+     'must be a number, got "warm"'),
     ({"model": "m", "messages": [{"role": "bot", "content": "x"}]}, "chat", "messages[0].role",
      'must be one of "assistant", "developer", "system", "tool", "user", got "bot"'),
     ({"model": "m", "messages": [{"content": "x"}]}, "chat", "messages[0]", "needs the field 'role'"),
@@ -87,6 +89,19 @@ def test_unknown_fields_are_named_and_ignored():
     plain = parse(orjson.dumps({"model": "m", "prompt": "x", "seed": 3}), "completion", served_model="m",
                   max_model_len=256, num_ranks=2)
     assert plain.ignored == () and plain.params == p.params
+
+
+def test_numbers_are_read_as_vllm_reads_them():
+    """vLLM's pydantic models are lax: 2.0 or "2" is an integer, "0.5" a number, "true" and
+    1 booleans. A client that sends them (a JSON encoder that writes every number as a
+    float, a form posted as strings) gets the same answer as from vLLM, not a 400."""
+    body = {"model": "m", "prompt": [72.0, 105], "max_tokens": 2.0, "n": "2", "temperature": "0.5",
+            "seed": 7.0, "stream": "true", "stream_options": {"include_usage": 1}, "logprobs": "3"}
+    p = parse(orjson.dumps(body), "completion", served_model="m", max_model_len=256, num_ranks=2)
+    assert p.params.max_tokens == 2 and isinstance(p.params.max_tokens, int)
+    assert p.n == 2 and p.params.temperature == 0.5 and p.params.seed == 7 and p.logprobs == 3
+    assert p.stream and p.include_usage and p.prompt == [72, 105]
+    assert _err({"model": "m", "prompt": "x", "max_tokens": 2.5}).param == "max_tokens"
 
 
 def test_bytes_and_decoded_json_read_the_same():

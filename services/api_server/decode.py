@@ -1,6 +1,8 @@
 """JSON request bodies into their Structs (bodies.py), with OpenAI-style errors: msgspec's
 message ("Expected `float` <= 2.0 - at `$.temperature`") becomes a 400 whose ``param``
-names the field and whose message says what is allowed. Pure."""
+names the field and whose message says what is allowed. Lax, as vLLM's pydantic models
+are: a whole number sent as 2.0 or "2" is an integer, "0.5" a number, "true" / 1 a
+boolean; 1.5 for an integer or "ten" for a number is still a 400. Pure."""
 
 from __future__ import annotations
 
@@ -43,9 +45,9 @@ def decode(raw: bytes | Any, typ: type[T]) -> tuple[T, tuple[str, ...]]:
     try:
         try:
             if isinstance(raw, (bytes, bytearray, memoryview, str)):
-                dec = _DECODERS.get(typ) or _DECODERS.setdefault(typ, msgspec.json.Decoder(typ))
+                dec = _DECODERS.get(typ) or _DECODERS.setdefault(typ, msgspec.json.Decoder(typ, strict=False))
                 return dec.decode(raw), ()
-            return msgspec.convert(raw, typ), ()
+            return msgspec.convert(raw, typ, strict=False), ()
         except msgspec.ValidationError as exc:
             if not _unknown_at_top(str(exc)):
                 raise
@@ -53,7 +55,7 @@ def decode(raw: bytes | Any, typ: type[T]) -> tuple[T, tuple[str, ...]]:
         doc = orjson.loads(raw) if isinstance(raw, (bytes, bytearray, memoryview, str)) else raw
         known = typ.__struct_fields__  # type: ignore[attr-defined]
         unknown = tuple(k for k in doc if k not in known)
-        return msgspec.convert({k: v for k, v in doc.items() if k in known}, typ), unknown
+        return msgspec.convert({k: v for k, v in doc.items() if k in known}, typ, strict=False), unknown
     except msgspec.ValidationError as exc:
         raise _api_error(str(exc), raw, typ) from None
     except (msgspec.DecodeError, orjson.JSONDecodeError) as exc:
