@@ -165,11 +165,12 @@ class ApiServerSettings(Settings):
     shutdown_grace_s: float = Field(5.0, ge=0, description="On SIGTERM/SIGINT: how long the requests in flight may still run; then each ends with a 503 that says to retry (a stream: an error event and [DONE], not a cut connection). New requests get that 503 at once.")
     # A comma list in the environment (pydantic-settings would read a list as JSON).
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, description="Accepted API keys (comma list); empty = no auth.")
+    allowed_origins: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["*"], description="Origins a browser may call the API from (CORS, comma list; * = any, as vLLM's default); empty = no CORS headers, browsers refuse cross-origin calls.")
     dispatch: str = Field("scheduler", description="'scheduler' or 'client' (the replica picks ranks itself).")
     policy: str = Field("waterfill", description="Dispatch policy in client-dispatch mode (waterfill, round_robin, least_score, least_tokens; staggered needs dispatch 'scheduler': refused at start). waterfill places at once here: holding needs the one scheduler.")
     num_api_servers: int = Field(1, description="Replicas in the cluster (scales the local bump in client mode).")
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "allowed_origins", mode="before")
     @classmethod
     def _comma_list(cls, v: Any) -> Any:
         return [k.strip() for k in v.split(",") if k.strip()] if isinstance(v, str) else v

@@ -52,6 +52,21 @@ def test_a_wrong_method_is_a_405_that_says_which_methods_it_takes(root):
     assert r.json()["error"]["code"] == "method_not_allowed"
 
 
+def test_a_browser_on_another_origin_may_call_the_api(root):
+    # (an OPTIONS preflight was a 405, so a web UI served from another origin could not call
+    # the API at all; vLLM allows any origin by default)
+    pre = httpx.options(root + "/v1/chat/completions", timeout=10, headers={
+        "Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    r = httpx.post(root + "/v1/completions", headers={"Origin": "https://ui.example"}, timeout=30,
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+
+
 def test_tokenize_prompt_and_messages(root):
     r = httpx.post(root + "/tokenize", json={"model": MODEL, "prompt": "héllo"}, timeout=10)
     assert r.status_code == 200

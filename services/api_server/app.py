@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 import orjson
 from fastapi import FastAPI, Request as HttpRequest
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
@@ -537,6 +538,11 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
     hot = HotPaths(app, {"/v1/completions": lambda request: handle(request, "completion"),
                          "/v1/chat/completions": lambda request: handle(request, "chat")}, log)
     limited = BodyLimit(hot, limit=settings.max_body_bytes)
+    if settings.allowed_origins:
+        # Browsers' cross-origin calls (a web UI on another origin): preflights are answered
+        # here, before the API key is asked for, as browsers send none with them.
+        limited = CORSMiddleware(limited, allow_origins=settings.allowed_origins, allow_methods=["*"],
+                                 allow_headers=["*"], expose_headers=["X-Request-Id"])
     wrapped = RequestIdHeader(limited)   # outermost: a 413 from the body limit carries the id too
 
     def begin_close() -> None:
