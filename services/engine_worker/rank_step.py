@@ -20,12 +20,12 @@ from services.engine_worker.batch_gate import BatchGate, batch_number
 from services.engine_worker.busy_meter import BusyMeter
 from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
 from shared.rate_meter import RateMeter
-from services.engine_worker.step_view import (F_ALIGN, F_ARRIVED, F_BUSY, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST,
+from services.engine_worker.step_view import (BUSY_FLAG, TAIL_FLAG, F_ALIGN, F_ARRIVED, F_BUSY, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST,
                                              F_QUEUED, F_RELEASE, F_TOKENS, Action, StepView)
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_clock import StepClock
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, must_tokens,
-                                                shared_budget, tail_budget, trim_plan, TAIL_MAX_FILL)
+                                                shared_budget, tail_budget, trim_plan, TAIL_MAX_FILL, TAIL_MIN_FILL)
 
 
 class RankStep:
@@ -50,6 +50,7 @@ class RankStep:
         self.step_tokens = 0                      # the busiest rank's tokens in the step last decided
         self.step_mean_tokens = 0.0               # and the ranks' mean tokens in it
         self.calm = False                         # this plan: prefill pending that need not wait (lone share low)
+        self.tail_on = False                      # last view: the group spread a backlog's last prefill
         self.arrived_tokens = 0                   # prompt tokens arrived here, not yet in a row the group saw
         # prompt tokens/s reaching the group (every rank's F_ARRIVED, summed)
         self.prompt_rate = RateMeter(budget.lone_tau_s) if budget is not None else None
@@ -133,7 +134,7 @@ class RankStep:
         if self.budget is not None:
             must, queued = self.prefill_need(plan, now_s)
         forced = int(self.budget is not None and (self.calm or 0 < self._capped_limit() <= self.capped_steps))
-        busy = int(self.meter is not None and self.meter.busy)
+        busy = (BUSY_FLAG if self.meter is not None and self.meter.busy else 0) | (TAIL_FLAG if self.tail_on else 0)
         row = [int(core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
                release, int(stopping), plan.decode_tokens, must, int(self.budget is not None), queued, forced,
                busy, self.arrived_tokens]
@@ -199,6 +200,7 @@ class RankStep:
             T = view.memo.get("budget")
             if T is None:   # the same on every rank: computed once per view
                 T = view.memo["budget"] = self._budget(view)
+            self.tail_on = view.memo.get("tail", False)
             # the prefill pending on the OTHER ranks, in full steps: what a capped prefill could
             # share a balanced step with (waiting for nobody is futile)
             q = view.column(F_QUEUED)
@@ -254,12 +256,18 @@ class RankStep:
         as much as ``TAIL_MAX_FILL`` of a full step, and the group decodes (so the steps that
         spread the rest run anyway). Where only some ranks have prefill, it is new arrivals,
         which alignment serves; a remainder near a full step is a prefill step of its own
-        (spread, it only puts more decodes on long steps: docs/benchmarks.md)."""
+        (spread, it only puts more decodes on long steps: docs/benchmarks.md), and one under
+        ``TAIL_MIN_FILL`` runs whole unless the spread began above it (rank 0's row says
+        so: every rank then decides alike)."""
         cfg = self.budget
-        if cfg.tail_steps <= 0 or not view.rows[0][F_BUSY] or not _decodes(view):
+        flags = view.rows[0][F_BUSY]
+        if cfg.tail_steps <= 0 or not flags & BUSY_FLAG or not _decodes(view):
             return False
         q = view.column(F_QUEUED)
-        return all(q) and max(q) < TAIL_MAX_FILL * cfg.max_tokens
+        if not all(q):
+            return False
+        least = 0.0 if flags & TAIL_FLAG else TAIL_MIN_FILL * cfg.max_tokens
+        return least <= max(q) < TAIL_MAX_FILL * cfg.max_tokens
 
     def _budget(self, view: StepView) -> int:
         """This step's shared token budget (the same on every rank: a function of the rows)."""
@@ -270,13 +278,14 @@ class RankStep:
         elif cfg.min_balance > 0:
             # the largest budget most ranks can fill; a rank capped max_capped_steps in a row runs
             T = balanced_budget(decode, tokens, cfg.min_balance, cfg.max_tokens)
-            headroom = self._backlog_steps(bool(view.rows[0][F_BUSY]))
+            headroom = self._backlog_steps(bool(view.rows[0][F_BUSY] & BUSY_FLAG))
             # TTFT first, prefill deadlines hold, until the ranks' pending prefill could fill
             # `headroom` of a full group step: one long prompt, or one rank, alone is no backlog
             if _fillable(view, cfg.max_tokens) / (len(decode) * cfg.max_tokens) < headroom:
                 for t, m in zip(tokens, must):
                     T = max(T, min(int(t), int(m)))
             if self._tail(view):
+                view.memo["tail"] = True
                 T = min(T, tail_budget(decode, view.column(F_QUEUED), cfg))
             for t, f in zip(tokens, view.column(F_FORCED)):
                 if f:

@@ -173,6 +173,12 @@ def balanced_budget(decode: Sequence[int], tokens: Sequence[int], min_balance: f
 # -> 74 / 89 ms (more decodes on long steps). 3/4 also spread 55-62 % remainders on seeds 2
 # and 3, and cost there as often as it gained (docs/benchmarks.md, item 4)
 TAIL_MAX_FILL = 0.5
+# and a spread starts only from a remainder of at least this share (once started, it runs to
+# the end). Under it the spread's floor, max_tokens/16 a step, makes two or three steps
+# nearly as long as the one: each a slow interval for every decode, so twice the slow
+# intervals for little shorter ones. gb200 offline seed 2 at 0.3x (a 12 % remainder): ITL
+# p99 22 -> 49 ms spread; the spreads that pay start at 23 / 47 % (seed 1 at 1.0 / 1.2x)
+TAIL_MIN_FILL = 0.2
 
 
 def tail_budget(decode: Sequence[int], queued: Sequence[int], cfg: BudgetConfig) -> int:

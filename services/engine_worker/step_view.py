@@ -23,9 +23,11 @@ F_MUST = 8           # token alignment: tokens this rank's prefill deadlines nee
 F_ALIGN = 9          # token alignment enabled here (applied only when every rank has it)
 F_QUEUED = 10        # token alignment: prefill tokens pending on this rank (the group's backlog)
 F_FORCED = 11        # token alignment: this rank's prefill was capped max_capped_steps in a row: it runs
-F_BUSY = 12          # token alignment: the group looks busy to this rank (rank 0's verdict is applied)
+F_BUSY = 12          # token alignment, flags (rank 0's are applied): BUSY_FLAG the group looks busy to this
+                     # rank; TAIL_FLAG it is spreading a backlog's last prefill (rank_step.py)
 F_ARRIVED = 13       # token alignment: prompt tokens that reached this rank since its last row
 FIELDS = 14
+BUSY_FLAG, TAIL_FLAG = 1, 2
 
 
 class Action(Enum):
