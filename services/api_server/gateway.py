@@ -95,6 +95,15 @@ class RequestChannel:
             self.event.set()
 
 
+def submit_failure(exc: BaseException) -> str:
+    """Why Redis did not take a request, in words for the client's 503: a full Redis (its
+    maxmemory reached, under noeviction) is not a Redis that is down, and the operator's
+    remedy differs (docs/operations.md)."""
+    if "maxmemory" in str(exc) or str(exc).startswith("OOM"):
+        return "Redis is out of memory (its maxmemory is reached)"
+    return "Redis is unavailable"
+
+
 def queue_wait_s(wait_ms: Any, at: Any, now: float) -> float | None:
     """The scheduler's published queue wait in seconds, or None when it is missing or older
     than ``QUEUE_VIEW_FRESH_S`` (then admission falls back to the in-flight bound alone)."""
@@ -264,9 +273,10 @@ class Gateway:
                 self.metrics.redis_errors.inc()
             if self.log is not None:
                 self.log.error("submit_failed", error=str(exc), n=len(writes))
+            why = submit_failure(exc)
             for _, _, rid in writes:
                 if rid is not None and rid in self.channels:
-                    self.channels[rid].fail("could not queue the request: Redis is unavailable, retry shortly")
+                    self.channels[rid].fail(f"could not queue the request: {why}, retry shortly")
 
     # ------------------------------------------------------------------ outputs
     async def _read_outputs(self) -> None:

@@ -1,0 +1,47 @@
+"""A full Redis (maxmemory reached, noeviction): the api-server's submit fails at once with a
+503 message that says Redis is out of memory, not that it is down, and the next request
+after memory is freed goes through. Against a private real Redis (the test changes its
+maxmemory)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.api_server.gateway import Gateway
+from shared import keys as K
+from shared.bus import connect
+from shared.messages import Request, SamplingParams
+from shared.redis_server import EmbeddedRedis
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+async def _flow(url: str) -> None:
+    keys = K.Keys("full")
+    r, admin = connect(url), connect(url)
+    gw = Gateway(r, keys, "apifull")
+    await gw.start()
+    try:
+        await admin.config_set("maxmemory-policy", "noeviction")
+        await admin.config_set("maxmemory", "1")
+        ch = gw.submit(Request("q1", "apifull", [1, 2, 3], SamplingParams(max_tokens=4), time.time()))
+        await asyncio.wait_for(ch.event.wait(), 10)
+        assert ch.finish == "error" and "out of memory" in ch.error and "maxmemory" in ch.error, ch.error
+        await admin.config_set("maxmemory", "0")
+        gw.submit(Request("q2", "apifull", [4, 5], SamplingParams(max_tokens=4), time.time()))
+        deadline = time.monotonic() + 10
+        while await admin.xlen(keys.requests) < 1:
+            assert time.monotonic() < deadline, "the request after memory was freed never reached the stream"
+            await asyncio.sleep(0.02)
+    finally:
+        await gw.stop()
+        await r.aclose()
+        await admin.aclose()
+
+
+def test_a_full_redis_is_named_in_the_503_and_the_next_request_goes_through():
+    with EmbeddedRedis() as server:
+        asyncio.run(_flow(server.url))
