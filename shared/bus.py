@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import FullJitterBackoff
-from redis.exceptions import ClusterDownError, ReadOnlyError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import ClusterDownError, OutOfMemoryError, ReadOnlyError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError, TimeoutError as RedisTimeoutError
 
@@ -37,9 +37,12 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, TRANSIENT) or (isinstance(exc, ResponseError) and str(exc).startswith("UNBLOCKED"))
 
 # Connection trouble, and what a failover looks like from a client: a cluster slot with no
-# primary for a moment (CLUSTERDOWN, TRYAGAIN, uncovered slot), a demoted primary (READONLY).
+# primary for a moment (CLUSTERDOWN, TRYAGAIN, uncovered slot), a demoted primary (READONLY);
+# and a full Redis (OOM: maxmemory reached), which takes writes again once memory frees
+# (record TTLs, trims, an operator's maxmemory): a rank that raised on it died, and a
+# second-long spell of it took every rank of the group down with it.
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError,
-             ClusterDownError, TryAgainError, SlotNotCoveredError, ReadOnlyError)
+             ClusterDownError, TryAgainError, SlotNotCoveredError, ReadOnlyError, OutOfMemoryError)
 
 
 class RedisUnreachable(RuntimeError):

@@ -1,0 +1,69 @@
+"""A full Redis (maxmemory reached, noeviction) for a moment, under a streaming request: the
+ranks back off and replay their writes, as through an outage, and the request completes on
+the ranks that had it. Each rank raised on the refused write and died before: a second of
+a full Redis took the whole engine group down (with spares, every request was resumed
+elsewhere; without, the group re-formed from restarts). Real processes, real Redis."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import openai
+import pytest
+import redis
+
+from tests.conftest import start_cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _ranks(cluster) -> dict[int, int]:
+    out = cluster.cli("status", "--json")
+    assert out.returncode == 0, out.stderr
+    return {r["rank"]: r["pid"] for r in json.loads(out.stdout)["ranks"]}
+
+
+def test_a_moment_of_full_redis_kills_no_rank_and_loses_no_token(tmp_path):
+    cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim", "--spares", "0")
+    admin = redis.Redis.from_url(cluster.redis_url)
+    try:
+        client = openai.OpenAI(base_url=cluster.api_url, api_key="x", max_retries=0, timeout=120)
+        client.completions.create(model="lockstep-moe", prompt="warm", max_tokens=2)
+        before = _ranks(cluster)
+        first, texts, errors = threading.Event(), [], []
+
+        def stream() -> None:
+            try:
+                chunks = client.completions.create(model="lockstep-moe", prompt="a long one", max_tokens=400,
+                                                   stream=True, extra_body={"ignore_eos": True},
+                                                   stream_options={"include_usage": True})
+                for c in chunks:
+                    if c.choices:
+                        texts.append(c.choices[0].text)
+                        first.set()
+                    if c.usage is not None:
+                        texts.append(c.usage.completion_tokens)
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                errors.append(exc)
+            finally:
+                first.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(60), "no token streamed"
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", "1")
+        time.sleep(1.5)   # the fault's length: a second and a half of refused writes
+        admin.config_set("maxmemory", "0")
+        t.join(120)
+        assert not t.is_alive() and not errors, errors
+        assert texts[-1] == 400, texts[-1]             # usage: every token, none twice
+        assert _ranks(cluster) == before               # no rank died and was replaced
+        status = json.loads(cluster.cli("status", "--json").stdout)
+        assert status["scheduler"]["counters"].get("resumed", 0) == 0   # (absent while none)
+    finally:
+        admin.config_set("maxmemory", "0")
+        admin.close()
+        cluster.stop()
