@@ -33,8 +33,13 @@ T = TypeVar("T")
 
 def is_transient(exc: BaseException) -> bool:
     """A Redis error that goes away by itself: connection trouble, or a failover in progress
-    (a blocked read ends with UNBLOCKED when its server becomes a replica)."""
-    return isinstance(exc, TRANSIENT) or (isinstance(exc, ResponseError) and str(exc).startswith("UNBLOCKED"))
+    (a blocked read ends with UNBLOCKED when its server becomes a replica), or writes refused
+    until the server recovers (below, and MISCONF: a failed RDB save, e.g. a full disk under
+    ``lockstep up --persist``; NOREPLICAS: too few replicas for min-replicas-to-write)."""
+    return isinstance(exc, TRANSIENT) or (isinstance(exc, ResponseError) and str(exc).startswith(_REFUSED_FOR_NOW))
+
+
+_REFUSED_FOR_NOW = ("UNBLOCKED", "MISCONF", "NOREPLICAS")
 
 # Connection trouble, and what a failover looks like from a client: a cluster slot with no
 # primary for a moment (CLUSTERDOWN, TRYAGAIN, uncovered slot), a demoted primary (READONLY);

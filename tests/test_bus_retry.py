@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from redis.exceptions import ResponseError
 
-from shared.bus import Recorder, connect, ensure_group, execute_recorded, retrying
+from shared.bus import Recorder, connect, ensure_group, execute_recorded, is_transient, retrying
 from shared.redis_server import EmbeddedRedis
 
 pytestmark = pytest.mark.timeout(60)
@@ -98,3 +98,18 @@ def test_stop_ends_the_wait_and_a_lasting_error_is_raised_at_once(redis_url, nam
             await asyncio.wait_for(retrying(down, give_up_s=0.3), 10)
         assert asyncio.get_running_loop().time() - started >= 0.3
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("error, transient", [
+    # refused until the server recovers: waited out, as an outage is (a rank raised and died)
+    ("OOM command not allowed when used memory > 'maxmemory'.", True),
+    ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.", True),
+    ("NOREPLICAS Not enough good replicas to write.", True),
+    ("UNBLOCKED force unblock from blocking operation", True),
+    # a bug or a misconfiguration does not go away by waiting: raised at once
+    ("WRONGTYPE Operation against a key holding the wrong kind of value", False),
+    ("ERR unknown command 'FOO'", False),
+])
+def test_which_refusals_are_waited_out(error, transient):
+    from redis._parsers.base import BaseParser
+    assert is_transient(BaseParser.parse_error(error)) is transient
