@@ -20,8 +20,9 @@ from services.engine_worker.batch_gate import BatchGate, batch_number
 from services.engine_worker.busy_meter import BusyMeter
 from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
 from shared.rate_meter import RateMeter
-from services.engine_worker.step_view import (BUSY_FLAG, TAIL_FLAG, F_ALIGN, F_ARRIVED, F_BUSY, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST,
-                                             F_QUEUED, F_RELEASE, F_TOKENS, Action, StepView)
+from services.engine_worker.step_view import (BUSY_FLAG, TAIL_FLAG, F_ALIGN, F_ARRIVED, F_BUSY, F_DECODE, F_GATE,
+                                             F_GATE_HELD, F_FORCED, F_MUST, F_QUEUED, F_RELEASE, F_TOKENS, Action,
+                                             StepView)
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_clock import StepClock
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, must_tokens,
