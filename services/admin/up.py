@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import os
 import signal
 import socket
@@ -205,12 +206,19 @@ class LocalCluster(Supervisor):
             for i in range(self.o.ranks):
                 pipe.hget(k.rank_info(i), "ready")
             pipe.exists(k.leader)
+            pipe.hmget(k.scheduler, "live", "drained")
             res = await pipe.execute()
             spares = [key async for key in r.scan_iter(match=k.spare("*"), count=1000)]
         finally:
             await r.aclose()
-        # A rank is ready once its engine group formed; a spare once it waits for a slot.
-        return all(res[:-1]) and len(spares) >= self.o.spares, bool(res[-1])
+        # A rank is ready once its engine group formed; a spare once it waits for a slot; the
+        # leader once it counts every rank live (it learns them from their heartbeats, a few
+        # hundred ms after the group forms: requests sent before then all went to the ranks it
+        # knew, and stayed there)
+        ranks, (has_leader, (live, drained)) = res[:self.o.ranks], res[self.o.ranks:]
+        known = set(_json_list(live)) | set(_json_list(drained))
+        leader = bool(has_leader) and known >= set(range(self.o.ranks))
+        return all(ranks) and len(spares) >= self.o.spares, leader
 
     def _check_children(self) -> None:
         for c in list(self.children):
@@ -371,3 +379,11 @@ def banner(cluster: LocalCluster) -> str:
         f"  Inspect    {K.admin_command('status', o.namespace)}",
         "  Stop       Ctrl-C",
     ])
+
+
+def _json_list(raw: bytes | str | None) -> list:
+    try:
+        value = json.loads(raw) if raw else []
+    except ValueError:
+        return []
+    return value if isinstance(value, list) else []
