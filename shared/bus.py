@@ -31,6 +31,10 @@ from shared.replies import as_str
 T = TypeVar("T")
 
 
+# ResponseError codes that refuse only for now (is_transient)
+_REFUSED_FOR_NOW = ("UNBLOCKED", "MISCONF", "NOREPLICAS")
+
+
 def is_transient(exc: BaseException) -> bool:
     """A Redis error that goes away by itself: connection trouble, or a failover in progress
     (a blocked read ends with UNBLOCKED when its server becomes a replica), or writes refused
@@ -38,8 +42,6 @@ def is_transient(exc: BaseException) -> bool:
     ``lockstep up --persist``; NOREPLICAS: too few replicas for min-replicas-to-write)."""
     return isinstance(exc, TRANSIENT) or (isinstance(exc, ResponseError) and str(exc).startswith(_REFUSED_FOR_NOW))
 
-
-_REFUSED_FOR_NOW = ("UNBLOCKED", "MISCONF", "NOREPLICAS")
 
 # Connection trouble, and what a failover looks like from a client: a cluster slot with no
 # primary for a moment (CLUSTERDOWN, TRYAGAIN, uncovered slot), a demoted primary (READONLY);

@@ -15,6 +15,8 @@ import random
 import time
 from typing import Any
 
+from redis.exceptions import OutOfMemoryError
+
 from shared import keys as K
 from shared.bus import decode_entries, same_data, server_run_id
 from shared.messages import FIELD, Abort, Delta, MessageError, Request, Resume, Retire, encode, output_entry
@@ -99,7 +101,7 @@ def submit_failure(exc: BaseException) -> str:
     """Why Redis did not take a request, in words for the client's 503: a full Redis (its
     maxmemory reached, under noeviction) is not a Redis that is down, and the operator's
     remedy differs (docs/operations.md)."""
-    if "maxmemory" in str(exc) or str(exc).startswith("OOM"):
+    if isinstance(exc, OutOfMemoryError):
         return "Redis is out of memory (its maxmemory is reached)"
     return "Redis is unavailable"
 

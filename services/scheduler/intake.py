@@ -1,7 +1,7 @@
 """The request stream ``<ns>:requests`` (group ``scheduler``): read new entries, take back
 what was read and never acked (a dead leader's, ours before an outage, entries deferred on
-purpose, a stepped-down leader's stranded ones), and turn each into a dispatch, an unplaced request or a routed abort, acked in the
-same transaction as what it caused."""
+purpose, a stepped-down leader's stranded ones), and turn each into a dispatch, an unplaced
+request or a routed abort, acked in the same transaction as what it caused."""
 
 from __future__ import annotations
 
