@@ -58,7 +58,7 @@ def bench(
     redis_url: Optional[str] = typer.Option(None, "--redis-url",
                                             help="Redis URL for the step stats (default: LOCKSTEP_REDIS_URL, else the local cluster's)."),
     namespace: str = typer.Option("ls", "--namespace", "-n", envvar="LOCKSTEP_NAMESPACE", help="Key prefix of the cluster."),
-    workload: str = typer.Option("poisson", "--workload", help="poisson | bursty | onoff | heavy-tail | ramp | offline | blog (the simulator's workloads)."),
+    workload: str = typer.Option("poisson", "--workload", help="poisson | bursty | onoff | heavy-tail | ramp | fixed | offline | blog (the simulator's workloads)."),
     requests: int = typer.Option(DEFAULT_REQUESTS, "--requests", min=1, help="Requests to generate."),
     rate: float = typer.Option(DEFAULT_RATE, "--rate", help="Mean requests/s of the generated workload (> 0)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated workload."),

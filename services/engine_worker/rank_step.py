@@ -20,13 +20,18 @@ from services.engine_worker.batch_gate import BatchGate, batch_number
 from services.engine_worker.busy_meter import BusyMeter
 from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
 from shared.rate_meter import RateMeter
-from services.engine_worker.step_view import (BUSY_FLAG, TAIL_FLAG, F_ALIGN, F_ARRIVED, F_BUSY, F_DECODE, F_GATE,
+from services.engine_worker.step_view import (BUSY_FLAG, LULL_FLAG, TAIL_FLAG, F_ALIGN, F_ARRIVED, F_BUSY, F_DECODE, F_GATE,
                                              F_GATE_HELD, F_FORCED, F_MUST, F_QUEUED, F_RELEASE, F_TOKENS, Action,
                                              StepView)
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_clock import StepClock
-from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, must_tokens,
-                                                shared_budget, tail_budget, trim_plan, TAIL_MAX_FILL, TAIL_MIN_FILL)
+from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, lull_budget,
+                                                must_tokens, shared_budget, tail_budget, trim_plan, TAIL_MAX_FILL, TAIL_MIN_FILL)
+
+
+# the mean prompt behind the lull test moves 1/20 of the way to each arrival (about the
+# last 20 prompts here: a rank sees 1/ranks of the group's)
+MEAN_PROMPT_WEIGHT = 0.05
 
 
 class RankStep:
@@ -55,6 +60,12 @@ class RankStep:
         self.arrived_tokens = 0                   # prompt tokens arrived here, not yet in a row the group saw
         # prompt tokens/s reaching the group (every rank's F_ARRIVED, summed)
         self.prompt_rate = RateMeter(budget.lone_tau_s) if budget is not None else None
+        # and over a short window, with the mean prompt and the last views that saw one arrive:
+        # what tells a lull (no prompt for many arrivals' time) from a stream
+        self.lull_rate = RateMeter(budget.lull_tau_s) if budget is not None else None
+        self.mean_prompt = 0.0                    # prompt tokens, a moving average of this rank's arrivals
+        self.last_arrival_s = float("-inf")       # the last view in which prompts reached some rank
+        self.last_view_s = float("-inf")          # the last view
 
     def note_step(self, dur_ms: float) -> None:
         """The step that just ran took ``dur_ms`` (deadlines plan with it, and the waits
@@ -68,7 +79,9 @@ class RankStep:
         self.since_s[seq.id] = now_s
         self.gate.on_arrival(seq)
         if self.budget is not None:
-            self.arrived_tokens += seq.num_prompt_tokens
+            n = seq.num_prompt_tokens
+            self.arrived_tokens += n
+            self.mean_prompt = n if self.mean_prompt <= 0 else self.mean_prompt + MEAN_PROMPT_WEIGHT * (n - self.mean_prompt)
 
     def _count_arrivals(self, view: StepView, now_s: float) -> None:
         """The prompt tokens every rank reported arriving: the group's prompt rate, the same
@@ -78,6 +91,20 @@ class RankStep:
         if total is None:
             total = view.memo["arrived"] = sum(view.column(F_ARRIVED))
         self.prompt_rate.add(total, now_s)
+        self.lull_rate.add(total, now_s)
+        if total > 0:
+            self.last_arrival_s = now_s
+        self.last_view_s = now_s
+
+    def in_lull(self, now_s: float) -> bool:
+        """No prompt has reached the group since the view at ``last_arrival_s`` while
+        ``lull_prompts`` were due at its recent rate. Judged up to the last view (arrivals
+        reach the rows one step late: a long step is no lull)."""
+        cfg = self.budget
+        if cfg is None or cfg.lull_prompts <= 0 or self.mean_prompt <= 0:
+            return False
+        quiet = self.last_view_s - self.last_arrival_s
+        return quiet > 0 and quiet * self.lull_rate.rate(now_s) >= cfg.lull_prompts * self.mean_prompt
 
     def _company_worth(self, now_s: float) -> float:
         """How much of the wait for company is in force: none while prefilling every prompt
@@ -135,7 +162,8 @@ class RankStep:
         if self.budget is not None:
             must, queued = self.prefill_need(plan, now_s)
         forced = int(self.budget is not None and (self.calm or 0 < self._capped_limit() <= self.capped_steps))
-        busy = (BUSY_FLAG if self.meter is not None and self.meter.busy else 0) | (TAIL_FLAG if self.tail_on else 0)
+        busy = ((BUSY_FLAG if self.meter is not None and self.meter.busy else 0) | (TAIL_FLAG if self.tail_on else 0)
+                | (LULL_FLAG if self.in_lull(now_s) else 0))
         row = [int(core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
                release, int(stopping), plan.decode_tokens, must, int(self.budget is not None), queued, forced,
                busy, self.arrived_tokens]
@@ -279,6 +307,8 @@ class RankStep:
         elif cfg.min_balance > 0:
             # the largest budget most ranks can fill; a rank capped max_capped_steps in a row runs
             T = balanced_budget(decode, tokens, cfg.min_balance, cfg.max_tokens)
+            if cfg.lull_prompts > 0 and view.rows[0][F_BUSY] & LULL_FLAG:   # nobody is coming: balanced among those that have prefill
+                T = max(T, lull_budget(decode, tokens, view.column(F_QUEUED), cfg.min_balance, cfg.max_tokens))
             headroom = self._backlog_steps(bool(view.rows[0][F_BUSY] & BUSY_FLAG))
             # TTFT first, prefill deadlines hold, until the ranks' pending prefill could fill
             # `headroom` of a full group step: one long prompt, or one rank, alone is no backlog

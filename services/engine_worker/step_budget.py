@@ -69,6 +69,12 @@ class BudgetConfig:
     # step and at least max_tokens/16, instead of one long step every decode waits through
     # (0: the backlog's last step runs whole)
     tail_steps: float = 0.0
+    # >0: a lull is a time in which no prompt reached the group while this many were due at its
+    # recent rate (prompt tokens/s over lull_tau_s, over the mean prompt); in a lull the ranks
+    # with nothing queued are not waited for: company that has not arrived is not coming
+    # (0: always waited for)
+    lull_prompts: float = 0.0
+    lull_tau_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -88,6 +94,8 @@ class BudgetConfig:
             raise ValueError("grow_share and grow_share_full must be >= 0, grow_share_full >= grow_share (or 0: always)")
         if self.tail_steps < 0:
             raise ValueError("tail_steps must be >= 0")
+        if self.lull_prompts < 0 or self.lull_tau_s <= 0:
+            raise ValueError("lull_prompts must be >= 0 and lull_tau_s > 0")
         if self.busy_tokens < 0 or self.busy_tau_s <= 0 or self.busy_backlog_steps <= 0 or self.busy_capped_steps < 0:
             raise ValueError("busy_tokens and busy_capped_steps must be >= 0, busy_tau_s and busy_backlog_steps > 0")
 
@@ -111,6 +119,7 @@ def from_settings(settings: Any) -> BudgetConfig | None:
                         lone_share=settings.align_lone_share, lone_share_full=settings.align_lone_share_full,
                         lone_tau_s=settings.align_lone_window_s * k, tail_steps=settings.align_tail_steps,
                         grow_share=settings.align_grow_share, grow_share_full=settings.align_grow_share_full,
+                        lull_prompts=settings.align_lull_prompts, lull_tau_s=settings.align_lull_window_s * k,
                         step_ms=0.0)
 
 
@@ -165,6 +174,20 @@ def balanced_budget(decode: Sequence[int], tokens: Sequence[int], min_balance: f
         if mx > 0 and sum(got) >= min_balance * n * mx:
             return T
     return best
+
+
+def lull_budget(decode: Sequence[int], tokens: Sequence[int], queued: Sequence[int], min_balance: float,
+                max_tokens: int) -> int:
+    """In a lull (no prompt has reached the group for a while): :func:`balanced_budget` among
+    the ranks with prefill queued, as if the ranks with none were not there, since the
+    company they would bring is not coming. 0 (no change) when every rank or none has
+    prefill queued, or when one of those that have cannot start it now (its KV or slots are
+    full): room freeing there is company that will come, and waiting for it pays (letting
+    the others run regardless collapsed a KV-bound group, docs/benchmarks.md)."""
+    idx = [i for i, q in enumerate(queued) if q > 0]
+    if not idx or len(idx) == len(queued) or any(tokens[i] <= decode[i] for i in idx):
+        return 0
+    return balanced_budget([decode[i] for i in idx], [tokens[i] for i in idx], min_balance, max_tokens)
 
 
 # the tail spread applies to remainders under this share of a full step on every rank. On the

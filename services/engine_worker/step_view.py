@@ -24,10 +24,11 @@ F_ALIGN = 9          # token alignment enabled here (applied only when every ran
 F_QUEUED = 10        # token alignment: prefill tokens pending on this rank (the group's backlog)
 F_FORCED = 11        # token alignment: this rank's prefill was capped max_capped_steps in a row: it runs
 F_BUSY = 12          # token alignment, flags (rank 0's are applied): BUSY_FLAG the group looks busy to this
-                     # rank; TAIL_FLAG it is spreading a backlog's last prefill (rank_step.py)
+                     # rank; TAIL_FLAG it is spreading a backlog's last prefill; LULL_FLAG no prompt has
+                     # reached the group for a while (rank_step.py)
 F_ARRIVED = 13       # token alignment: prompt tokens that reached this rank since its last row
 FIELDS = 14
-BUSY_FLAG, TAIL_FLAG = 1, 2
+BUSY_FLAG, TAIL_FLAG, LULL_FLAG = 1, 2, 4
 
 
 class Action(Enum):

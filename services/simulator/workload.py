@@ -17,6 +17,9 @@ All generators are deterministic functions of ``seed``.
   16k tokens (median ~512), outputs log-normal (median 128).
 * ``ramp``: a diurnal rise: the rate climbs from 0.2x to 1.8x the mean and back (a sine
   over the trace), prompts log-uniform 64-8,192 tokens, outputs log-normal (median 128).
+* ``fixed``: Poisson arrivals, every request ``FIXED_PROMPT`` prompt and ``FIXED_OUTPUT``
+  output tokens: vLLM ``benchmark_serving``'s random dataset at its defaults (1,024 in, 128
+  out, range ratio 0), the shape most published benchmarks run.
 * ``offline``: every request at t=0, lengths as ``poisson``.
 * ``blog``: the TensorRT-LLM ADP Balance blog's offline set, every request at t=0: input
   mean 803, output mean 3,653 with a long tail (log-normal, sigma 0.6 / 0.9, capped at
@@ -39,10 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
-WORKLOADS = ("poisson", "bursty", "onoff", "heavy-tail", "ramp", "offline", "blog")
+WORKLOADS = ("poisson", "bursty", "onoff", "heavy-tail", "ramp", "fixed", "offline", "blog")
 
 PROMPT_MEDIAN, PROMPT_SIGMA = 384.0, 0.8
 OUTPUT_MEDIAN, OUTPUT_SIGMA = 128.0, 0.7
+FIXED_PROMPT, FIXED_OUTPUT = 1024, 128
 BURST_PERIOD_S = 4.0
 BURST_ON_FRACTION = 0.25
 BURST_FACTOR = 3.0
@@ -212,6 +216,9 @@ def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
     elif kind == "ramp":
         prompt = np.rint(np.exp(rng.uniform(np.log(64), np.log(8192), n))).astype(np.int64)
         output = _lengths(rng, n, OUTPUT_MEDIAN, OUTPUT_SIGMA)
+    elif kind == "fixed":
+        prompt = np.full(n, FIXED_PROMPT, dtype=np.int64)
+        output = np.full(n, FIXED_OUTPUT, dtype=np.int64)
     elif kind == "blog":
         # log-normal, capped, with the blog's means (803.1 / 3,653.8)
         prompt = np.minimum(_lengths(rng, n, _capped_median(803.1, 0.6, BLOG_PROMPT_MAX), 0.6),
