@@ -20,13 +20,14 @@ from services.engine_worker.batch_gate import BatchGate, batch_number
 from services.engine_worker.busy_meter import BusyMeter
 from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
 from shared.rate_meter import RateMeter
-from services.engine_worker.step_view import (BUSY_FLAG, LULL_FLAG, TAIL_FLAG, F_ALIGN, F_ARRIVED, F_BUSY, F_DECODE, F_GATE,
-                                             F_GATE_HELD, F_FORCED, F_MUST, F_QUEUED, F_RELEASE, F_TOKENS, Action,
-                                             StepView)
+from services.engine_worker.step_view import (BUSY_FLAG, LULL_FLAG, TAIL_FLAG, F_ALIGN, F_ARRIVED, F_BUSY,
+                                             F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST, F_QUEUED, F_RELEASE,
+                                             F_TOKENS, Action, StepView)
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_clock import StepClock
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, lull_budget,
-                                                must_tokens, shared_budget, tail_budget, trim_plan, TAIL_MAX_FILL, TAIL_MIN_FILL)
+                                                must_tokens, shared_budget, tail_budget, trim_plan, TAIL_MAX_FILL,
+                                                TAIL_MIN_FILL)
 
 
 # the mean prompt behind the lull test moves 1/20 of the way to each arrival (about the
@@ -81,7 +82,8 @@ class RankStep:
         if self.budget is not None:
             n = seq.num_prompt_tokens
             self.arrived_tokens += n
-            self.mean_prompt = n if self.mean_prompt <= 0 else self.mean_prompt + MEAN_PROMPT_WEIGHT * (n - self.mean_prompt)
+            m = self.mean_prompt
+            self.mean_prompt = n if m <= 0 else m + MEAN_PROMPT_WEIGHT * (n - m)
 
     def _count_arrivals(self, view: StepView, now_s: float) -> None:
         """The prompt tokens every rank reported arriving: the group's prompt rate, the same
@@ -307,7 +309,8 @@ class RankStep:
         elif cfg.min_balance > 0:
             # the largest budget most ranks can fill; a rank capped max_capped_steps in a row runs
             T = balanced_budget(decode, tokens, cfg.min_balance, cfg.max_tokens)
-            if cfg.lull_prompts > 0 and view.rows[0][F_BUSY] & LULL_FLAG:   # nobody is coming: balanced among those that have prefill
+            # in a lull nobody is coming: balanced among the ranks that have prefill
+            if cfg.lull_prompts > 0 and view.rows[0][F_BUSY] & LULL_FLAG:
                 T = max(T, lull_budget(decode, tokens, view.column(F_QUEUED), cfg.min_balance, cfg.max_tokens))
             headroom = self._backlog_steps(bool(view.rows[0][F_BUSY] & BUSY_FLAG))
             # TTFT first, prefill deadlines hold, until the ranks' pending prefill could fill
