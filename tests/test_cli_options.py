@@ -456,3 +456,11 @@ def test_the_up_banner_inspects_its_own_namespace():
     assert "Inspect    lockstep status -n prod" in banner(c)
     c.o = UpOptions()
     assert "Inspect    lockstep status\n" in banner(c)
+
+
+def test_bench_takes_a_fixed_shape_and_refuses_a_malformed_one(fake_bench):
+    _refused(_cli(*BENCH, "--workload", "fixed:4096"), "--workload", "fixed:IN:OUT")
+    _refused(_cli(*BENCH, "--workload", "fixd"), "--workload", "fixed:IN:OUT")
+    assert fake_bench == []
+    res = _cli(*BENCH, "--workload", "fixed:4096:256", "--requests", "4")
+    assert res.exit_code == 0 and fake_bench[0][:2] == ("fixed:4096:256", 4), res.output

@@ -252,6 +252,31 @@ def test_a_sweep_refuses_a_trace_it_would_not_replay(tmp_path):
     assert res.exit_code == 2 and "--sweep" in res.output and "--trace" in res.output
 
 
+def test_fixed_in_out_sets_both_lengths():
+    """`--workload fixed:IN:OUT` (benchmark_serving's --random-input-len / --random-output-len):
+    every request those lengths, Poisson arrivals as `fixed`; `fixed` stays 1,024 / 128."""
+    tr = workload.generate("fixed:4096:256", 200, 20.0, 1, api_servers=2, max_model_len=8192)
+    assert set(tr.prompt.tolist()) == {4096} and set(tr.output.tolist()) == {256}
+    assert workload.fixed_lengths("fixed") == (workload.FIXED_PROMPT, workload.FIXED_OUTPUT)
+    assert workload.fixed_lengths("poisson") is None
+
+
+@pytest.mark.parametrize("kind", ["fixed:4096", "fixed:0:128", "fixed:a:b", "fixed:1:2:3", "fixed:-1:5", "fixd"])
+def test_a_malformed_workload_is_refused_with_what_to_write(kind):
+    with pytest.raises(ValueError, match="fixed:IN:OUT"):
+        workload.generate(kind, 10, 1.0, 1)
+    res = _simulate_cli(["--workload", kind, "--requests", "5", "--policies", "least_score"])
+    assert res.exit_code == 2 and "fixed:IN:OUT" in res.output
+
+
+def test_a_sweep_runs_a_fixed_shape():
+    res = _simulate_cli(["--ranks", "2", "--requests", "40", "--workload", "fixed:512:16", "--sweep", "0.5",
+                         "--policies", "least_score", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["config"]["workload"] == "fixed:512:16" and doc["points"][0]["policies"]["least_score"]["completed"] == 40
+
+
 def test_cli_rejects_unknown_policy():
     app = typer.Typer()
     register(app)

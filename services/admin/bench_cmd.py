@@ -58,7 +58,7 @@ def bench(
     redis_url: Optional[str] = typer.Option(None, "--redis-url",
                                             help="Redis URL for the step stats (default: LOCKSTEP_REDIS_URL, else the local cluster's)."),
     namespace: str = typer.Option("ls", "--namespace", "-n", envvar="LOCKSTEP_NAMESPACE", help="Key prefix of the cluster."),
-    workload: str = typer.Option("poisson", "--workload", help="poisson | bursty | onoff | heavy-tail | ramp | fixed | offline | blog (the simulator's workloads)."),
+    workload: str = typer.Option("poisson", "--workload", help="poisson | bursty | onoff | heavy-tail | ramp | fixed | offline | blog (the simulator's workloads); fixed:IN:OUT sets fixed's prompt and output tokens (default 1024:128)."),
     requests: int = typer.Option(DEFAULT_REQUESTS, "--requests", min=1, help="Requests to generate."),
     rate: float = typer.Option(DEFAULT_RATE, "--rate", help="Mean requests/s of the generated workload (> 0)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated workload."),
@@ -82,9 +82,11 @@ def bench(
         typer.secho(f"lockstep bench: {msg}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code)
 
-    from services.simulator.workload import WORKLOADS
-    if workload not in WORKLOADS:
-        fail(f"--workload must be one of {', '.join(WORKLOADS)}, not {workload!r}")
+    from services.simulator.workload import check_kind
+    try:
+        check_kind(workload)
+    except ValueError as exc:
+        fail(f"--workload: {exc}")
     if trace is None and not 0 < rate < float("inf"):   # (NaN compares false)
         fail(f"--rate must be a finite number > 0, not {rate:g}")
     # Options another one makes moot are refused, not silently ignored.

@@ -43,7 +43,7 @@ def simulate(
     ctx: typer.Context,
     ranks: int = typer.Option(8, "--ranks", min=1, help="DP ranks in the engine group."),
     api_servers: int = typer.Option(1, "--api-servers", min=1, help="api-server replicas."),
-    workload: str = typer.Option("bursty", "--workload", help="poisson | bursty | onoff | heavy-tail | ramp | fixed | offline | blog."),
+    workload: str = typer.Option("bursty", "--workload", help="poisson | bursty | onoff | heavy-tail | ramp | fixed | offline | blog; fixed:IN:OUT sets fixed's prompt and output tokens (default 1024:128)."),
     requests: int = typer.Option(10000, "--requests", min=1, help="Requests to generate."),
     rate: Optional[float] = typer.Option(None, "--rate", help=f"Mean requests/s (default {DEFAULT_RATE_PER_RANK:g} x ranks)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the trace and the modeled latencies."),

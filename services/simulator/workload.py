@@ -19,7 +19,8 @@ All generators are deterministic functions of ``seed``.
   over the trace), prompts log-uniform 64-8,192 tokens, outputs log-normal (median 128).
 * ``fixed``: Poisson arrivals, every request ``FIXED_PROMPT`` prompt and ``FIXED_OUTPUT``
   output tokens: vLLM ``benchmark_serving``'s random dataset at its defaults (1,024 in, 128
-  out, range ratio 0), the shape most published benchmarks run.
+  out, range ratio 0), the shape most published benchmarks run. ``fixed:IN:OUT`` sets the
+  two lengths (``fixed:4096:256``, as its ``--random-input-len`` / ``--random-output-len``).
 * ``offline``: every request at t=0, lengths as ``poisson``.
 * ``blog``: the TensorRT-LLM ADP Balance blog's offline set, every request at t=0: input
   mean 803, output mean 3,653 with a long tail (log-normal, sigma 0.6 / 0.9, capped at
@@ -186,11 +187,32 @@ def _ramp_times(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
     return a - a[0]
 
 
+def fixed_lengths(kind: str) -> tuple[int, int] | None:
+    """(prompt, output) tokens of a ``fixed`` workload: ``fixed`` is FIXED_PROMPT /
+    FIXED_OUTPUT, ``fixed:IN:OUT`` its own; None for every other kind. ValueError for a
+    ``fixed:`` that does not name two positive whole numbers."""
+    if kind == "fixed":
+        return FIXED_PROMPT, FIXED_OUTPUT
+    if not kind.startswith("fixed:"):
+        return None
+    parts = kind.split(":")[1:]
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"workload {kind!r}: write fixed:IN:OUT with two token counts > 0, e.g. fixed:4096:256")
+    return int(parts[0]), int(parts[1])
+
+
+def check_kind(kind: str) -> None:
+    """ValueError, saying what to write, unless ``kind`` names a workload :func:`generate` makes."""
+    if kind not in WORKLOADS and fixed_lengths(kind) is None:
+        raise ValueError(f"unknown workload {kind!r}; choose one of: {', '.join(WORKLOADS)} "
+                         "(or fixed:IN:OUT for other fixed lengths)")
+
+
 def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
              max_model_len: int = 4096) -> Trace:
     """A trace of ``n`` requests at a mean ``rate`` (requests/s; ignored by the offline ones)."""
-    if kind not in WORKLOADS:
-        raise ValueError(f"unknown workload {kind!r}; choose one of: {', '.join(WORKLOADS)}")
+    check_kind(kind)
+    fixed = fixed_lengths(kind)
     if n < 1:
         raise ValueError("requests must be >= 1")
     if not (rate > 0 and math.isfinite(rate)):   # (NaN compares false)
@@ -216,9 +238,9 @@ def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
     elif kind == "ramp":
         prompt = np.rint(np.exp(rng.uniform(np.log(64), np.log(8192), n))).astype(np.int64)
         output = _lengths(rng, n, OUTPUT_MEDIAN, OUTPUT_SIGMA)
-    elif kind == "fixed":
-        prompt = np.full(n, FIXED_PROMPT, dtype=np.int64)
-        output = np.full(n, FIXED_OUTPUT, dtype=np.int64)
+    elif fixed is not None:
+        prompt = np.full(n, fixed[0], dtype=np.int64)
+        output = np.full(n, fixed[1], dtype=np.int64)
     elif kind == "blog":
         # log-normal, capped, with the blog's means (803.1 / 3,653.8)
         prompt = np.minimum(_lengths(rng, n, _capped_median(803.1, 0.6, BLOG_PROMPT_MAX), 0.6),
