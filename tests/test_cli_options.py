@@ -268,7 +268,7 @@ def test_bench_replays_a_trace_that_names_api_servers(tmp_path):
     lines = [{"t": i * 0.5, "prompt_tokens": 8, "output_tokens": 2, "api_server": i} for i in range(4)]
     lines.append({"t": 2.0, "prompt_tokens": 8, "output_tokens": 2})   # none recorded: 0, not a random index
     trace.write_text("\n".join(json.dumps(d) for d in lines) + "\n")
-    name, items = build_trace("poisson", 100, 8.0, 0, trace)
+    name, items, clipped = build_trace("poisson", 100, 8.0, 0, trace)
     assert [(it.t, it.prompt_tokens, it.output_tokens, it.api) for it in items] == [
         (i * 0.5, 8, 2, i) for i in range(4)] + [(2.0, 8, 2, 0)]
 
@@ -464,3 +464,22 @@ def test_bench_takes_a_fixed_shape_and_refuses_a_malformed_one(fake_bench):
     assert fake_bench == []
     res = _cli(*BENCH, "--workload", "fixed:4096:256", "--requests", "4")
     assert res.exit_code == 0 and fake_bench[0][:2] == ("fixed:4096:256", 4), res.output
+
+
+def test_bench_says_when_the_shape_asked_for_does_not_fit(monkeypatch):
+    # fixed:8192:64 on a 4,096-token model was cut to 4,095 + 1 tokens without a word
+    from services.admin.bench_trace import build_trace
+
+    name, items, clipped = build_trace("fixed:8192:64", 5, 4.0, 0, None, max_model_len=4096)
+    assert clipped == 5 and all(it.prompt_tokens + it.output_tokens <= 4096 for it in items)
+    assert build_trace("fixed:1024:64", 5, 4.0, 0, None, max_model_len=4096)[2] == 0
+
+    async def cut(url, redis_url, namespace, workload, requests, *a, **kw):
+        return {"url": url, "namespace": namespace, "model": "m", "trace": workload, "requests": requests,
+                "completed": requests, "failed": 0, "duration_s": 2.0, "throughput_tok_s": 1.0,
+                "balance_ratio": 0.9, "idle_forward_fraction": 0.0, "clipped_requests": 3, "max_model_len": 4096}
+
+    monkeypatch.setattr(bench_cmd, "run_bench", cut)
+    res = _cli(*BENCH, "--workload", "fixed:8192:64", "--requests", "5")
+    assert res.exit_code == 0 and "3 of 5 requests do not fit" in res.stderr and "4096" in res.stderr, res.output
+    assert json.loads(res.stdout)["clipped_requests"] == 3

@@ -153,6 +153,10 @@ def bench(
         typer.echo(json.dumps(doc))
     else:
         out_console().print(render(doc))
+    if doc.get("clipped_requests"):
+        typer.secho(f"lockstep bench: warning: {doc['clipped_requests']} of {doc['requests']} requests do not fit "
+                    f"the served model's max_model_len ({doc['max_model_len']}): their prompt and output lengths "
+                    "were cut to fit, so the run is not the shape asked for", err=True)
     for e in doc.get("errors", ()):   # stderr: the JSON on stdout stays one document
         typer.echo(f"error: {e}", err=True)
     if doc.get("error"):

@@ -42,7 +42,7 @@ async def run_bench(url: str, redis_url: str | None, namespace: str, workload: s
             raise ConnectionError(f"cannot reach the lockstep API at {base}: {exc}") from None
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
             raise ConnectionError(f"cannot reach the lockstep API at {base}: {exc}") from None
-        name, items = build_trace(workload, requests, rate, seed, trace, max_model_len)
+        name, items, clipped = build_trace(workload, requests, rate, seed, trace, max_model_len)
         if at_once:   # the capacity probe: the same requests, all at t=0
             name = f"{name} (all at once)"
             for it in items:
@@ -85,7 +85,9 @@ async def run_bench(url: str, redis_url: str | None, namespace: str, workload: s
     out: dict[str, Any] = {"url": base, "namespace": namespace, "model": model, "trace": name,
                            "requests": len(items), "completed": len(ok), "failed": len(failed),
                            # of the failed, refused by admission control (429 "retry later"): not errors
-                           "rejected": sum(1 for x in failed if x.status == 429)}
+                           "rejected": sum(1 for x in failed if x.status == 429),
+                           # cut to fit the served model's max_model_len (said on stderr)
+                           "clipped_requests": clipped, "max_model_len": max_model_len}
     if failed:
         out["errors"] = sorted({x.error for x in failed})[:5]
     start = min((x.sent for x in results), default=0.0)

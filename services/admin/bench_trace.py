@@ -17,8 +17,9 @@ class Item:
 
 
 def build_trace(workload: str, requests: int, rate: float, seed: int, trace: Optional[Path],
-                max_model_len: int = 4096) -> tuple[str, list[Item]]:
-    """The requests to send: from ``trace`` when given, else generated."""
+                max_model_len: int = 4096) -> tuple[str, list[Item], int]:
+    """The requests to send: from ``trace`` when given, else generated; and how many of them
+    were cut to fit ``max_model_len`` (the served model's)."""
     from services.simulator.workload import generate, load_jsonl
 
     # A line's api_server is recorded, not used (every replica shares one port): any index
@@ -29,7 +30,7 @@ def build_trace(workload: str, requests: int, rate: float, seed: int, trace: Opt
     t0 = items[0].t if items else 0.0
     for it in items:
         it.t -= t0
-    return tr.name, items
+    return tr.name, items, tr.clipped
 
 
 def prompt_text(n: int, i: int) -> str:
