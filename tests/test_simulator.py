@@ -261,7 +261,7 @@ def test_fixed_in_out_sets_both_lengths():
     assert workload.fixed_lengths("poisson") is None
 
 
-@pytest.mark.parametrize("kind", ["fixed:4096", "fixed:0:128", "fixed:a:b", "fixed:1:2:3", "fixed:-1:5", "fixd"])
+@pytest.mark.parametrize("kind", ["fixed:4096", "fixed:0:128", "fixed:a:b", "fixed:1:2:3", "fixed:-1:5", "fixed:\u00b2:5", "fixd"])
 def test_a_malformed_workload_is_refused_with_what_to_write(kind):
     with pytest.raises(ValueError, match="fixed:IN:OUT"):
         workload.generate(kind, 10, 1.0, 1)

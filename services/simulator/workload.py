@@ -196,7 +196,7 @@ def fixed_lengths(kind: str) -> tuple[int, int] | None:
     if not kind.startswith("fixed:"):
         return None
     parts = kind.split(":")[1:]
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and int(p) > 0 for p in parts):
         raise ValueError(f"workload {kind!r}: write fixed:IN:OUT with two token counts > 0, e.g. fixed:4096:256")
     return int(parts[0]), int(parts[1])
 
