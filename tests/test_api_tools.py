@@ -113,6 +113,20 @@ def test_message_of_an_output():
                                                            "length")
 
 
+def test_a_required_calls_arguments_are_the_text_the_model_wrote():
+    # parsed and dumped again, 1e999 came back as Infinity (not JSON: a JavaScript client's
+    # JSON.parse threw) and 1.10 as 1.1; a live sim model wrote {"I": 1e999, ...}
+    req = ToolCall("required", ["json", "[]"])
+    out = '[{"name": "f", "parameters": {"I": 1e999, "b": 1.10}}, {"name": "g", "parameters": {"s": "}, {"}}]'
+    msg, finish = message(req, out, "stop")
+    assert finish == "tool_calls"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+        ("f", '{"I": 1e999, "b": 1.10}'), ("g", '{"s": "}, {"}')]
+    # members in either order, spaces anywhere JSON allows them, non-objects skipped
+    msg, _ = message(req, '[ 1 , {"parameters" : [ ] , "name" : "h"} ]', "stop")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [("h", "[ ]")]
+
+
 # --- live ------------------------------------------------------------------------------------
 
 def _check_weather(args: str) -> None:

@@ -104,18 +104,62 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
             "function": {"name": name, "arguments": arguments}}
 
 
+_DECODER = json.JSONDecoder()   # not orjson: it reads an integer past 64 bits as a float
+_WS = " \t\n\r"
+
+
+def _skip(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def _raw_members(text: str, i: int) -> tuple[dict[str, str], int]:
+    """The members of the JSON object starting at ``text[i]`` (``{``), each value as the
+    text it was written in; and the index after the object. ValueError when it is none."""
+    out: dict[str, str] = {}
+    i = _skip(text, i + 1)
+    if text[i:i + 1] == "}":
+        return out, i + 1
+    while True:
+        key, i = _DECODER.raw_decode(text, _skip(text, i))
+        i = _skip(text, i)
+        if text[i:i + 1] != ":" or not isinstance(key, str):
+            raise ValueError("not an object")
+        start = _skip(text, i + 1)
+        _, i = _DECODER.raw_decode(text, start)
+        out[key] = text[start:i]
+        i = _skip(text, i)
+        if text[i:i + 1] == "}":
+            return out, i + 1
+        if text[i:i + 1] != ",":
+            raise ValueError("not an object")
+        i += 1
+
+
 def calls_of(tc: ToolCall, text: str) -> list[dict[str, Any]] | None:
-    """The tool calls in a finished output (None when it does not parse: cut by max_tokens)."""
+    """The tool calls in a finished output (None when it does not parse: cut by max_tokens).
+    Each call's arguments are its ``parameters`` as the model wrote them: parsed and dumped
+    again, ``1e999`` came back as ``Infinity``, which is not JSON, and ``1.10`` as ``1.1``."""
     try:
-        doc = json.loads(text)   # not orjson: it reads an integer past 64 bits as a float
-    except ValueError:
+        doc = json.loads(text)
+        if tc.mode == "named":
+            return [_call(tc.name or "", text)]
+        if not isinstance(doc, list):
+            return None
+        calls = []
+        i = _skip(text, 1)   # after the array's "["
+        for c in doc:
+            if isinstance(c, dict):
+                raw, i = _raw_members(text, i)
+                if "name" in c and "parameters" in c:
+                    calls.append(_call(c["name"], raw["parameters"]))
+            else:
+                _, i = _DECODER.raw_decode(text, i)
+            i = _skip(text, _skip(text, i) + 1)   # past the ","
+        return calls
+    except (ValueError, IndexError):
         return None
-    if tc.mode == "named":
-        return [_call(tc.name or "", text)]
-    if not isinstance(doc, list):
-        return None
-    return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in doc
-            if isinstance(c, dict) and "name" in c and "parameters" in c]
 
 
 def message(tc: ToolCall, text: str, finish: str) -> tuple[dict[str, Any], str]:
