@@ -127,6 +127,24 @@ def test_sim_min_tokens_and_ignore_eos():
     assert sim.run([ch], {"s": prompt}, {"s": 0})["s"] == EOS
 
 
+def test_sim_unseeded_draws_differ_per_request_and_greedy_follows_the_prompt():
+    # n=3 at temperature 1 without a seed gave three identical choices on a sim cluster
+    prompt = list(b"hello there")
+
+    def text(seq_id: str, temperature: float, seed: int | None = None) -> bytes:
+        sim, out = SimBackend(), bytearray()
+        for q in range(24):
+            ch = ChunkInput(seq_id, [1], len(prompt) + q - 1, [0], True, temperature=temperature, seed=seed,
+                            prompt_len=len(prompt))
+            out.append(sim.run([ch], {seq_id: prompt}, {seq_id: math.inf})[seq_id] & 0xFF)
+        return bytes(out)
+
+    assert len({text(f"r-0-{j}", 1.0) for j in range(3)}) == 3
+    assert text("r-0-1", 1.0) == text("r-0-1", 1.0)                  # the same sequence, on any rank
+    assert text("a", 0.0) == text("b", 0.0)                          # greedy: the prompt's
+    assert text("a", 1.0, seed=4) == text("b", 1.0, seed=4)          # seeded: the seed's
+
+
 def test_sim_logprobs_are_plausible_and_deterministic():
     for h in range(50):
         lp, top, rank = sim_logprobs(h, 65, 5, top=65)

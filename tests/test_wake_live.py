@@ -43,7 +43,8 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 async def _complete(http: httpx.AsyncClient, c: Cluster, prompt: str, max_tokens: int) -> None:
     resp = await http.post(c.api_url + "/completions", json={
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+        "temperature": 0})
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["usage"]["completion_tokens"] == max_tokens

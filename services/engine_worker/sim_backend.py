@@ -1,7 +1,10 @@
 """The ``sim`` backend: the device cost model instead of a forward pass.
 
 Its tokens are a pure function of (request seed, prompt, position), so the output never
-depends on the rank, the batch or a resume on another rank. The text it produces mixes
+depends on the rank, the batch or a resume on another rank. An unseeded request that
+samples (temperature > 0) takes its sequence id as its seed, so that ``n`` choices and
+repeated requests differ as a real model's draws do (the id is kept across ranks); a
+greedy one (temperature 0) stays a function of its prompt. The text it produces mixes
 ASCII with 2- and 3-byte UTF-8 characters on purpose: it exercises the api-server's
 guarantee never to split a multi-byte character.
 
@@ -57,6 +60,10 @@ class SimTokenStream:
         return self.buf[pos]
 
 
+def _id_key(seq_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(seq_id.encode(), digest_size=8).digest(), "little")
+
+
 def _prompt_key(prompt: list[int]) -> int:
     return int.from_bytes(hashlib.blake2b(bytes(t & 0xFF for t in prompt), digest_size=8).digest(), "little")
 
@@ -99,7 +106,10 @@ class SimBackend:
                 continue
             stream = self._streams.get(c.seq_id)
             if stream is None:
-                stream = self._streams[c.seq_id] = SimTokenStream(c.seed, prompts[c.seq_id])
+                seed = c.seed
+                if seed is None and c.temperature > 0:   # unseeded draws differ per request
+                    seed = _id_key(c.seq_id)
+                stream = self._streams[c.seq_id] = SimTokenStream(seed, prompts[c.seq_id])
             pos = c.context_len - c.prompt_len   # index of the token being generated
             tok = stream.token_at(pos)
             if tok == EOS and pos < eos_from.get(c.seq_id, 0):
