@@ -19,6 +19,24 @@ class StreamingDecoder(Protocol):
     def flush(self) -> str: ...
 
 
+def continue_final(rendered: str, messages: list[dict[str, Any]]) -> str:
+    """``rendered`` (the chat rendered without a generation prompt) cut right after the final
+    message's text, so the model continues that message instead of starting a new turn
+    (``continue_final_message``: an assistant reply begun by the client, "Sure," or "{").
+    As transformers' apply_chat_template cuts it; ValueError where the template did not
+    render the final message's text."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str):
+        raise ValueError("continue_final_message needs a final message with text to continue")
+    if final.strip() not in rendered:
+        raise ValueError("continue_final_message: the chat template does not render the final message's text "
+                         "as it was sent, so there is nothing to continue from")
+    at = rendered.rindex(final.strip())
+    if rendered[at:at + len(final.lstrip())] == final:   # the template kept its spacing
+        return rendered[:at + len(final.lstrip())]
+    return rendered[:at + len(final.strip())]
+
+
 class TextTokenizer(Protocol):
     """What the api-server needs of a tokenizer (prompts, streaming text, usage, stops)."""
 

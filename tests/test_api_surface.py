@@ -146,8 +146,7 @@ REFUSED_BOTH = [("include_stop_str_in_output", True), ("bad_words", ["x"]),
                 ("priority", 1), ("logits_processors", ["x"]), ("guided_whitespace_pattern", " ")]
 REFUSED_COMPLETION = [("suffix", "tail")]
 REFUSED_CHAT = [("functions", [{"name": "f"}]), ("function_call", "auto"), ("store", True),
-                ("modalities", ["audio"]), ("echo", True), ("add_generation_prompt", False),
-                ("continue_final_message", True), ("chat_template", "{{x}}"),
+                ("modalities", ["audio"]), ("echo", True), ("chat_template", "{{x}}"),
                 ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"t": "x"}])]
 
 

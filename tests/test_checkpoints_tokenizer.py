@@ -69,6 +69,23 @@ def test_chat_template_renders_as_transformers(tok_dir, conv, gen):
     assert tok.chat_prompt(conv, gen) == list(ids)
 
 
+@pytest.mark.parametrize("final", ["Sure, {", "Ja. ", "  東京"])
+def test_continue_final_message_renders_as_transformers(tok_dir, final):
+    """Assistant prefill through the checkpoint's template (services/api_server/hf_text.py),
+    the rich template too (it closes an assistant turn with EOS: the cut must drop it)."""
+    from services.api_server.hf_text import chat_prompt
+
+    d, ref = tok_dir
+    conv = [*CONVERSATIONS[1][:2], {"role": "assistant", "content": final}]
+    for template in (None, RICH_TEMPLATE):
+        tok, r = HFTokenizer(d), type(ref).from_pretrained(d)
+        if template:
+            tok.chat_template = r.chat_template = template
+        want = r.apply_chat_template(conv, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+        text, ids = chat_prompt(tok, conv, False, True)
+        assert text == want and ids == tok.encode(want, add_special_tokens=False)
+
+
 @pytest.mark.parametrize("conv", CONVERSATIONS + [[{"role": "tool", "content": "x"}]])
 def test_a_richer_template_renders_as_transformers(tok_dir, conv):
     d, ref = tok_dir

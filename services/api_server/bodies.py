@@ -46,8 +46,6 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "priority": ((0,), {"type": "integer", "enum": [0]}),
     "logits_processors": ((), {"type": "null"}),
     "guided_whitespace_pattern": ((), {"type": "null"}),
-    "add_generation_prompt": ((True,), {"type": "boolean", "enum": [True]}),
-    "continue_final_message": ((False,), {"type": "boolean", "enum": [False]}),
     "chat_template": ((), {"type": "null"}),
     "chat_template_kwargs": (({},), {"type": "object", "maxProperties": 0}),
     "documents": ((), {"type": "null"}),
@@ -227,8 +225,10 @@ class ChatBody(GenerationBody, kw_only=True, forbid_unknown_fields=True):
     web_search_options: _neutral("web_search_options") = None
     store: _neutral("store") = None
     echo: Annotated[Any, Meta(description=UNSUPPORTED_NOTE, extra_json_schema=CHAT_NEUTRAL["echo"][1])] = None
-    add_generation_prompt: _neutral("add_generation_prompt") = None
-    continue_final_message: _neutral("continue_final_message") = None
+    add_generation_prompt: Annotated[bool, Meta(
+        description="false: no assistant turn opened after the messages (default true; false with continue_final_message)")] | None = None
+    continue_final_message: Annotated[bool, Meta(
+        description="true: the model continues the final message (an assistant reply the client began) instead of starting a turn")] | None = None
     chat_template: _neutral("chat_template") = None
     chat_template_kwargs: _neutral("chat_template_kwargs") = None
     documents: _neutral("documents") = None
@@ -241,6 +241,7 @@ class TokenizeBody(Struct, kw_only=True):
     prompt: str | None = None
     messages: Messages | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool | None = None
     tools: Annotated[Tools, Meta(description="as in chat completions: counted as the prompt shows them")] | None = None

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from services.api_server.errors import ApiError
+from shared.hf_tokenizer import continue_final
 from shared.messages import SamplingParams
 
 
@@ -16,13 +17,19 @@ def checkpoint_dir(model: str) -> str | None:
     return str(p) if p.is_dir() and (p / "config.json").is_file() else None
 
 
-def chat_prompt(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+def chat_prompt(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> tuple[str, list[int]]:
     import jinja2
 
     try:
         text = tok.render_chat(messages, add_generation_prompt)
     except (jinja2.TemplateError, ValueError) as exc:   # the template's raise_exception, or none at all
         raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
+    if continue_final_message:
+        try:
+            text = continue_final(text, messages)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="continue_final_message") from None
     return text, tok.encode(text, add_special_tokens=False)   # the template wrote the special tokens
 
 

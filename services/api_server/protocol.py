@@ -16,6 +16,7 @@ from services.api_server.bodies import (CHAT_NEUTRAL, MAX_CHOICES, MAX_STOP_LEN,
 from services.api_server.decode import decode
 from services.api_server.errors import ApiError
 from services.api_server.structured import guide
+from shared.hf_tokenizer import continue_final
 from shared.messages import SamplingParams
 from shared.tokenizer import BOS, EOS, VOCAB_SIZE, StreamDecoder, encode
 
@@ -57,6 +58,31 @@ def chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = 
     """The model's chat format: role tags on their own lines, then the assistant's turn."""
     parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
     return "".join(parts) + ("<|assistant|>\n" if add_generation_prompt else "")
+
+
+def chat_turn(b: Any) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) of a chat or tokenize body, as vLLM
+    reads them, except that continue_final_message alone turns the generation prompt off
+    (vLLM refuses it beside the default true: the client must send both)."""
+    cont = bool(b.continue_final_message)
+    if cont and b.add_generation_prompt:
+        raise ApiError(400, "'continue_final_message' continues the last message and 'add_generation_prompt' opens "
+                       "a new assistant turn: set add_generation_prompt to false (or leave it out)",
+                       param="continue_final_message")
+    return (not cont if b.add_generation_prompt is None else bool(b.add_generation_prompt)), cont
+
+
+def byte_chat_prompt(b: Any) -> str:
+    """The byte model's prompt text of a chat or tokenize body: its tools, then its turns."""
+    gen, cont = chat_turn(b)
+    msgs = _messages(b.messages, calls_as_text=True)
+    text = chat_template(msgs, gen)
+    if cont:
+        try:
+            text = continue_final(text, msgs)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="continue_final_message") from None
+    return tools.tools_block(tools.tool_defs(b.tools)) + text
 
 
 # Where the byte model's chat turn ends: it never saw EOS, and was trained on turns that
@@ -228,12 +254,12 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
         raise ApiError(400, "'model' is required", param="model")
     _check_model(b.model, served_model)
     _unsupported(b)
-    tool_defs, tool_call = tools.parse_tools(b) if chat else ([], None)
+    tool_call = tools.parse_tools(b)[1] if chat else None
     batch: list[tuple[list[int], str]] = []
     if chat and tok is not None:
-        text, prompt = hf_text.chat_prompt(tok, _messages(b.messages))
+        text, prompt = hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b))
     elif chat:
-        text = tools.tools_block(tool_defs) + chat_template(_messages(b.messages, calls_as_text=True))
+        text = byte_chat_prompt(b)
         prompt = encode(text)
     else:
         batch = _prompts(b.prompt, _prompt_tokens if tok is None else partial(hf_text.completion_prompt, tok))
@@ -358,11 +384,10 @@ def parse_tokenize(body: bytes | Any, served_model: str, tok: Any = None) -> tup
         raise ApiError(400, "send exactly one of 'prompt' or 'messages'", param="prompt")
     if b.prompt is not None:
         return (encode(b.prompt) if tok is None else tok.encode(b.prompt)), strs
-    gen = b.add_generation_prompt is not False
     if tok is not None:
-        return hf_text.chat_prompt(tok, _messages(b.messages), gen)[1], strs
+        return hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b))[1], strs
     # tools are shown in the prompt as a chat completion shows them, so the count is the same
-    return encode(tools.tools_block(tools.tool_defs(b.tools)) + chat_template(_messages(b.messages, calls_as_text=True), gen)), strs
+    return encode(byte_chat_prompt(b)), strs
 
 
 def parse_detokenize(body: bytes | Any, served_model: str, tok: Any = None) -> list[int]:
