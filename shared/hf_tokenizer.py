@@ -125,15 +125,31 @@ class HFTokenizer:
         return t in self._special_ids
 
     # -- chat -------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text exactly as transformers' apply_chat_template(tokenize=False)
-        renders it (encode it with add_special_tokens=False, as transformers does)."""
+        renders it (encode it with add_special_tokens=False, as transformers does).
+        ``template_kwargs``: more variables for the template (``enable_thinking``...), as
+        transformers passes its extra keyword arguments; ValueError for one the template
+        does not read, or one that would replace what it is given."""
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' "
                              "or chat_template.jinja); use /v1/completions")
+        extra = template_kwargs or {}
+        self.check_template_kwargs(extra)
         return _compile(self.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
-            **{k: v for k, v in self.special_tokens.items() if v is not None})
+            **{k: v for k, v in self.special_tokens.items() if v is not None}, **extra)
+
+    def check_template_kwargs(self, template_kwargs: dict[str, Any]) -> None:
+        """ValueError for a template variable the chat template does not read (it would do
+        nothing: refused, not ignored) or one the request sets itself."""
+        own = {"messages", "add_generation_prompt", "tools", "documents", *self.special_tokens}
+        for k in template_kwargs:
+            if k in own:
+                raise ValueError(f"{k!r} is set by the request itself, not by chat_template_kwargs")
+            if self.chat_template and k not in template_variables(self.chat_template):
+                raise ValueError(f"this checkpoint's chat template does not read {k!r}")
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
@@ -181,6 +197,16 @@ def _chat_template(d: Path, cfg: dict[str, Any]) -> str | None:
     if isinstance(t, list):                        # named templates: the default one
         t = next((x["template"] for x in t if x.get("name") == "default"), None)
     return t
+
+
+@lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads that it does not set itself."""
+    import jinja2.meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
 
 
 @lru_cache(maxsize=8)

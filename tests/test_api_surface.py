@@ -147,7 +147,7 @@ REFUSED_BOTH = [("include_stop_str_in_output", True), ("bad_words", ["x"]),
 REFUSED_COMPLETION = [("suffix", "tail")]
 REFUSED_CHAT = [("functions", [{"name": "f"}]), ("function_call", "auto"), ("store", True),
                 ("modalities", ["audio"]), ("echo", True), ("chat_template", "{{x}}"),
-                ("chat_template_kwargs", {"enable_thinking": False}), ("documents", [{"t": "x"}])]
+                ("documents", [{"t": "x"}])]
 
 
 def test_neutral_values_are_accepted(client):
@@ -184,6 +184,13 @@ def test_completion_refuses_non_neutral(client, name, value):
 def test_chat_refuses_non_neutral(client, name, value):
     _refused(lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                                     max_tokens=2, extra_body={name: value}), name)
+
+
+def test_template_variables_the_byte_template_does_not_read_are_refused(client):
+    # with a checkpoint they reach its template (tests/test_checkpoints_tokenizer.py)
+    _refused(lambda: client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}}), "chat_template_kwargs")
 
 
 SUPPORTED = {"top_k": 5, "min_p": 0.1, "presence_penalty": 1.5, "frequency_penalty": -0.5,

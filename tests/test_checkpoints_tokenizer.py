@@ -86,6 +86,31 @@ def test_continue_final_message_renders_as_transformers(tok_dir, final):
         assert text == want and ids == tok.encode(want, add_special_tokens=False)
 
 
+THINKING_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                     "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and "
+                     "not enable_thinking %}<think></think>{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tok_dir):
+    """Qwen3's enable_thinking: a variable the template reads takes effect; one it does not
+    read, or one the request sets itself, is a 400 naming chat_template_kwargs."""
+    from services.api_server.errors import ApiError
+    from services.api_server.hf_text import chat_prompt
+
+    d, ref = tok_dir
+    tok, r = HFTokenizer(d), type(ref).from_pretrained(d)
+    tok.chat_template = r.chat_template = THINKING_TEMPLATE
+    conv = CONVERSATIONS[0]
+    for kw in ({"enable_thinking": False}, {"enable_thinking": True}, {}):
+        want = r.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **kw)
+        assert chat_prompt(tok, conv, True, False, kw)[0] == want
+    assert chat_prompt(tok, conv, True, False, {"enable_thinking": False})[0].endswith("<think></think>")
+    for bad in ({"thinking_budget": 5}, {"messages": []}, {"add_generation_prompt": False}):
+        with pytest.raises(ApiError) as e:
+            chat_prompt(tok, conv, True, False, bad)
+        assert e.value.param == "chat_template_kwargs" and next(iter(bad)) in e.value.message
+
+
 @pytest.mark.parametrize("conv", CONVERSATIONS + [[{"role": "tool", "content": "x"}]])
 def test_a_richer_template_renders_as_transformers(tok_dir, conv):
     d, ref = tok_dir

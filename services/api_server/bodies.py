@@ -47,7 +47,6 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "logits_processors": ((), {"type": "null"}),
     "guided_whitespace_pattern": ((), {"type": "null"}),
     "chat_template": ((), {"type": "null"}),
-    "chat_template_kwargs": (({},), {"type": "object", "maxProperties": 0}),
     "documents": ((), {"type": "null"}),
 }
 # Neutral-only in chat, where it does not take effect (in completions it does).
@@ -230,7 +229,9 @@ class ChatBody(GenerationBody, kw_only=True, forbid_unknown_fields=True):
     continue_final_message: Annotated[bool, Meta(
         description="true: the model continues the final message (an assistant reply the client began) instead of starting a turn")] | None = None
     chat_template: _neutral("chat_template") = None
-    chat_template_kwargs: _neutral("chat_template_kwargs") = None
+    chat_template_kwargs: Annotated[dict[str, Any], Meta(
+        description="variables for a served checkpoint's chat template (enable_thinking...), each one the template "
+                    "reads; the byte model's template reads none")] | None = None
     documents: _neutral("documents") = None
 
 
@@ -242,6 +243,7 @@ class TokenizeBody(Struct, kw_only=True):
     messages: Messages | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool | None = None
     tools: Annotated[Tools, Meta(description="as in chat completions: counted as the prompt shows them")] | None = None

@@ -18,11 +18,17 @@ def checkpoint_dir(model: str) -> str | None:
 
 
 def chat_prompt(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> tuple[str, list[int]]:
+                continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     import jinja2
 
+    if template_kwargs:
+        try:
+            tok.check_template_kwargs(template_kwargs)
+        except ValueError as exc:
+            raise ApiError(400, f"'chat_template_kwargs': {exc}", param="chat_template_kwargs") from None
     try:
-        text = tok.render_chat(messages, add_generation_prompt)
+        text = tok.render_chat(messages, add_generation_prompt, template_kwargs)
     except (jinja2.TemplateError, ValueError) as exc:   # the template's raise_exception, or none at all
         raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
     if continue_final_message:

@@ -74,6 +74,10 @@ def chat_turn(b: Any) -> tuple[bool, bool]:
 
 def byte_chat_prompt(b: Any) -> str:
     """The byte model's prompt text of a chat or tokenize body: its tools, then its turns."""
+    for k in b.chat_template_kwargs or {}:   # (an empty object is neutral)
+        raise ApiError(400, f"'chat_template_kwargs' is not supported yet by the byte model's chat template: it "
+                       f"reads no variables, so {k!r} would change nothing (with a served checkpoint it takes effect "
+                       "where that template reads it)", param="chat_template_kwargs", code="unsupported_parameter")
     gen, cont = chat_turn(b)
     msgs = _messages(b.messages, calls_as_text=True)
     text = chat_template(msgs, gen)
@@ -257,7 +261,7 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
     tool_call = tools.parse_tools(b)[1] if chat else None
     batch: list[tuple[list[int], str]] = []
     if chat and tok is not None:
-        text, prompt = hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b))
+        text, prompt = hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b), b.chat_template_kwargs)
     elif chat:
         text = byte_chat_prompt(b)
         prompt = encode(text)
@@ -385,7 +389,7 @@ def parse_tokenize(body: bytes | Any, served_model: str, tok: Any = None) -> tup
     if b.prompt is not None:
         return (encode(b.prompt) if tok is None else tok.encode(b.prompt)), strs
     if tok is not None:
-        return hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b))[1], strs
+        return hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b), b.chat_template_kwargs)[1], strs
     # tools are shown in the prompt as a chat completion shows them, so the count is the same
     return encode(byte_chat_prompt(b)), strs
 
