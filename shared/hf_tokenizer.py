@@ -46,7 +46,8 @@ class TextTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, tokens: list[int]) -> str: ...
     def stream_decoder(self) -> StreamingDecoder: ...
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> str: ...
 
 
 class ByteTokenizer:
@@ -68,7 +69,10 @@ class ByteTokenizer:
     def stream_decoder(self) -> StreamingDecoder:
         return self._bt.StreamDecoder()
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        if template_kwargs:
+            raise ValueError("the byte model's chat template reads no variables")
         return self._render(messages, add_generation_prompt)
 
 
