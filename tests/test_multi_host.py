@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any, Callable
 
 import httpx
 import openai
@@ -71,6 +72,16 @@ class Hosts:
 
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def poll(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
+        """poll_until, and on a timeout the group's record and the tails of every host's and
+        rank's log in the failure (a rare miss in CI could not be told apart without them)."""
+        try:
+            return poll_until(pred, timeout, what, interval=0.2)
+        except AssertionError as exc:
+            logs = [f"--- {p.relative_to(self.tmp)}\n{p.read_text(errors='replace')[-1500:]}"
+                    for p in sorted(self.tmp.rglob("*.log"))]
+            raise AssertionError(f"{exc}\ndist: {self.r.hgetall(self.k.dist)}\n" + "\n".join(logs)) from None
 
     def wait_serving(self, timeout: float = 150) -> None:
         def ready() -> bool:
@@ -206,7 +217,7 @@ def test_a_host_killed_mid_stream_is_replaced_by_a_host_of_spares(hosts):
             d = h.r.hgetall(h.k.dist)
             return (int(d.get(b"gen", 0)) > gen and d.get(b"formed") == b"1"
                     and {h.rank_pid(0), h.rank_pid(1)} <= _engine_pids(c))
-        poll_until(re_formed, 120, "the spares' host took ranks 0-1 and the group re-formed", interval=0.2)
+        h.poll(re_formed, 120, "the spares' host took ranks 0-1 and the group re-formed")
     finally:
         worker.join(200)
     assert not worker.is_alive(), "the streams did not finish"
@@ -223,7 +234,7 @@ def test_a_host_killed_mid_stream_is_replaced_by_a_host_of_spares(hosts):
     # lost is replaced too: host B SIGKILLed, C's new spares take ranks 2-3.
     def topped_up() -> bool:
         return h.log("host-c").count("to keep 2 hot spares waiting") >= 2
-    poll_until(topped_up, 60, "host C started 2 fresh spares", interval=0.2)
+    h.poll(topped_up, 60, "host C started 2 fresh spares")
     gen = int(h.r.hget(h.k.dist, "gen"))
     first = {h.rank_pid(0), h.rank_pid(1)}
     os.killpg(b.pid, signal.SIGKILL)
@@ -234,7 +245,7 @@ def test_a_host_killed_mid_stream_is_replaced_by_a_host_of_spares(hosts):
         d = h.r.hgetall(h.k.dist)
         pids = {h.rank_pid(r) for r in range(WORLD)}
         return int(d.get(b"gen", 0)) > gen and d.get(b"formed") == b"1" and pids <= _engine_pids(c) and first <= pids
-    poll_until(all_on_c, 120, "host C's fresh spares took ranks 2-3", interval=0.2)
+    h.poll(all_on_c, 120, "host C's fresh spares took ranks 2-3")
     got = _pinned(h.api_url, 4, "after-b")
     assert got == {r: [4, 4] for r in range(WORLD)}, got
     assert c.poll() is None
