@@ -74,7 +74,8 @@ def chat_turn(b: Any) -> tuple[bool, bool]:
 
 def byte_chat_prompt(b: Any) -> str:
     """The byte model's prompt text of a chat or tokenize body: its tools, then its turns."""
-    for k in b.chat_template_kwargs or {}:   # (an empty object is neutral)
+    if b.chat_template_kwargs:   # (an empty object is neutral)
+        k = next(iter(b.chat_template_kwargs))
         raise ApiError(400, f"'chat_template_kwargs' is not supported yet by the byte model's chat template: it "
                        f"reads no variables, so {k!r} would change nothing (with a served checkpoint it takes effect "
                        "where that template reads it)", param="chat_template_kwargs", code="unsupported_parameter")
