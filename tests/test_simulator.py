@@ -83,6 +83,20 @@ def test_two_ranks_one_request_idles_half(tmp_path):
     assert (r.scheduled.min(axis=1) == 0).all()
 
 
+def test_a_batch_reaches_a_scheduler_over_the_hops_jitter(tmp_path):
+    """The api-server -> scheduler hop has its jitter like every other: a batch sent at one
+    instant does not reach the dispatcher in one instant. TensorRT-LLM's idle executor
+    blocks for one request and starts it alone (executor_request_queue.py
+    _get_from_request_queue, batch_wait_timeout_ms=0), so its first step has one request."""
+    p = _trace(tmp_path, [{"t": 0.0, "prompt_tokens": 500, "output_tokens": 4}] * 64)
+    _, (r,) = runner.run(ranks=4, api_servers=2, trace=p, policies="trtllm_adp_placement_only")
+    assert r.scheduled[0].tolist().count(0) == 3 and r.scheduled[0].max() == 500
+    assert r.scheduled[1].min() > 0                      # the rest arrived during that step
+    cfg = sim.SimConfig(jitter_ms=0.0)                   # with no jitter they do arrive at once
+    _, (r0,) = runner.run(ranks=4, api_servers=2, trace=p, policies="trtllm_adp_placement_only", cfg=cfg)
+    assert r0.scheduled[0].min() > 0
+
+
 def test_every_request_completes_under_every_policy():
     doc, _ = runner.run(ranks=4, api_servers=3, workload="heavy-tail", requests=400, rate=40.0,
                         policies="all")

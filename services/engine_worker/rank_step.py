@@ -106,7 +106,8 @@ class RankStep:
         if cfg is None or cfg.lull_prompts <= 0 or self.mean_prompt <= 0:
             return False
         quiet = self.last_view_s - self.last_arrival_s
-        return quiet > 0 and quiet * self.lull_rate.rate(now_s) >= cfg.lull_prompts * self.mean_prompt
+        rate = self.lull_rate.rate(now_s)   # 0 until a view counted an arrival (then quiet is inf: no lull)
+        return quiet > 0 and rate > 0 and quiet * rate >= cfg.lull_prompts * self.mean_prompt
 
     def _company_worth(self, now_s: float) -> float:
         """How much of the wait for company is in force: none while prefilling every prompt

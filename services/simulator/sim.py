@@ -205,6 +205,7 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
     heap: list[tuple] = []
     ctr = 0
     inbox_last = [0.0] * R          # FIFO per rank inbox
+    sched_last = [0.0] * N          # FIFO per api-server -> scheduler connection
     poll_armed: list[float | None] = [None] * n_disp
     agg_armed: list[float | None] = [None]
     lat_a2s = cfg.api_to_sched_ms / 1000.0
@@ -225,6 +226,18 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
             td = inbox_last[r]
         inbox_last[r] = td
         push(td, DELIVER, asg)
+
+    def hop_to_scheduler(i: int, t: float) -> None:
+        # every hop has its jitter (a burst does not reach a dispatcher in one instant);
+        # each api-server's messages stay in order, as on its connection
+        nonlocal jpos
+        a = api[i]
+        td = t + lat_a2s + jitters[jpos % jitters.size]
+        jpos += 1
+        if td < sched_last[a]:
+            td = sched_last[a]
+        sched_last[a] = td
+        push(td, SCHED, i)
 
     def arm_poll(k: int) -> None:
         d = pols[k].next_deadline()
@@ -262,7 +275,7 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
             if n_disp > 1:
                 dispatch(api[a], a, t, lat_a2r)
             else:
-                push(t + lat_a2s, SCHED, a)
+                hop_to_scheduler(a, t)
         elif kind == SCHED:
             dispatch(0, a, t, lat_s2r)
         elif kind == DELIVER:
