@@ -87,6 +87,25 @@ def test_the_spread_under_way_rides_in_rank_0s_row():
     assert not rs.tail_on and not rs.plan(0.03)[1][F_BUSY] & TAIL_FLAG
 
 
+def test_the_spread_keeps_the_share_it_began_with_and_ends_in_tail_steps_steps():
+    """A share of what remains each step shrank geometrically: a remainder of 0.44 of a
+    step took 7 steps, not 4, and the last prompts' first tokens waited through them
+    (16-rank offline at 0.3x, TTFT p99 1.31 s against 1.28 s with the share fixed)."""
+    rs = _rank_step(_cfg(4.0))
+    left = [1600, 1580, 1590, 1570]
+    T = rs._budget(_view(left))
+    assert T == 48 + 400                                   # a quarter of the largest remainder
+    steps = 1
+    while max(left) > 0:
+        left = [max(0, q - (T - 48)) for q in left]
+        if max(left) == 0:
+            break
+        T = rs._budget(_view(left, busy=BUSY_FLAG | TAIL_FLAG))
+        assert T == 48 + 400                               # under way: the same share, not a quarter of what is left
+        steps += 1
+    assert steps == 4
+
+
 @pytest.mark.parametrize("queued, decode, busy", [
     ([1074, 0, 1060, 1050], 48, 1),                 # a rank without prefill: new arrivals, not a tail
     ([int(TAIL_MAX_FILL * FULL)] * 4, 48, 1),        # a remainder near a full step is a step of its own

@@ -26,7 +26,7 @@ from services.engine_worker.step_view import (BUSY_FLAG, LULL_FLAG, TAIL_FLAG, F
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_clock import StepClock
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, lull_budget,
-                                                must_tokens, shared_budget, tail_budget, trim_plan, TAIL_MAX_FILL,
+                                                must_tokens, shared_budget, tail_budget, tail_share, trim_plan, TAIL_MAX_FILL,
                                                 TAIL_MIN_FILL)
 
 
@@ -58,6 +58,7 @@ class RankStep:
         self.step_mean_tokens = 0.0               # and the ranks' mean tokens in it
         self.calm = False                         # this plan: prefill pending that need not wait (lone share low)
         self.tail_on = False                      # last view: the group spread a backlog's last prefill
+        self.tail_share: int | None = None        # the spread's prefill per step, set where it began
         self.arrived_tokens = 0                   # prompt tokens arrived here, not yet in a row the group saw
         # prompt tokens/s reaching the group (every rank's F_ARRIVED, summed)
         self.prompt_rate = RateMeter(budget.lone_tau_s) if budget is not None else None
@@ -321,7 +322,10 @@ class RankStep:
                     T = max(T, min(int(t), int(m)))
             if self._tail(view):
                 view.memo["tail"] = True
-                T = min(T, tail_budget(decode, view.column(F_QUEUED), cfg))
+                q = view.column(F_QUEUED)
+                if not view.rows[0][F_BUSY] & TAIL_FLAG or self.tail_share is None:
+                    self.tail_share = tail_share(q, cfg)   # fixed for the spread: it ends in tail_steps steps
+                T = min(T, tail_budget(decode, q, cfg, self.tail_share))
             for t, f in zip(tokens, view.column(F_FORCED)):
                 if f:
                     T = max(T, int(t))

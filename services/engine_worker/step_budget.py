@@ -65,9 +65,9 @@ class BudgetConfig:
     grow_share: float = 0.0
     grow_share_full: float = 0.0
     # >0: a busy group's last prefill (every rank has some left, under TAIL_MAX_FILL of a full
-    # step) rides on the decode steps that follow, a 1/tail_steps share of what remains per
-    # step and at least max_tokens/16, instead of one long step every decode waits through
-    # (0: the backlog's last step runs whole)
+    # step) rides on the decode steps that follow, each the same 1/tail_steps share of what
+    # remained where the spread began and at least max_tokens/16, instead of one long step
+    # every decode waits through (0: the backlog's last step runs whole)
     tail_steps: float = 0.0
     # >0: a lull is a time in which no prompt reached the group while this many were due at its
     # recent rate (prompt tokens/s over lull_tau_s, over the mean prompt); in a lull the ranks
@@ -204,16 +204,26 @@ TAIL_MAX_FILL = 0.5
 TAIL_MIN_FILL = 0.2
 
 
-def tail_budget(decode: Sequence[int], queued: Sequence[int], cfg: BudgetConfig) -> int:
+def tail_budget(decode: Sequence[int], queued: Sequence[int], cfg: BudgetConfig, share: int | None = None) -> int:
     """The budget that spreads a backlog's last prefill over the decode steps that follow:
-    the largest decode plus a ``1/tail_steps`` share of the most prefill any rank has
-    pending (``queued``), at least ``max_tokens/16``. Spent on steps that run for the
-    decodes anyway, the same tokens cost the same time, but no step is one long prefill
-    step that every decode waits through."""
+    the largest decode plus ``share`` (by default :func:`tail_share` of ``queued``), at
+    least ``max_tokens/16``. Spent on steps that run for the decodes anyway, the same
+    tokens cost the same time, but no step is one long prefill step that every decode
+    waits through."""
     d_max = max((max(0, int(d)) for d in decode), default=0)
-    left = max((max(0, int(q)) for q in queued), default=0)
-    share = max(math.ceil(left / max(1.0, cfg.tail_steps)), cfg.max_tokens // 16)
+    if share is None:
+        share = tail_share(queued, cfg)
+    share = max(share, cfg.max_tokens // 16)
     return max(1, min(cfg.max_tokens, d_max + share))
+
+
+def tail_share(queued: Sequence[int], cfg: BudgetConfig) -> int:
+    """A ``1/tail_steps`` share of the most prefill any rank has pending. Taken where the
+    spread begins and kept to its end (rank_step.py), so it ends in about ``tail_steps``
+    steps: a share of what remains each step shrank geometrically (a remainder of 0.44 of a
+    step took 7 steps, and the last first tokens waited through them)."""
+    left = max((max(0, int(q)) for q in queued), default=0)
+    return math.ceil(left / max(1.0, cfg.tail_steps))
 
 
 def must_tokens(decode: int, pending: Iterable[tuple[float, int]], now_ms: float, step_ms: float,
