@@ -217,27 +217,22 @@ def run_policy(trace: Trace, spec: PolicySpec, cfg: SimConfig,
         ctr += 1
         heapq.heappush(heap, (t, ctr, kind, a, b))
 
-    def send(asg, t: float, lat: float) -> None:
+    def hop(t: float, lat: float, last: list[float], k: int) -> float:
+        """When a message sent at ``t`` arrives: the hop's latency and jitter (a burst does
+        not arrive in one instant), in order behind the last one on the same queue ``k``."""
         nonlocal jpos
-        r = asg.rank
         td = t + lat + jitters[jpos % jitters.size]
         jpos += 1
-        if td < inbox_last[r]:
-            td = inbox_last[r]
-        inbox_last[r] = td
-        push(td, DELIVER, asg)
+        if td < last[k]:
+            td = last[k]
+        last[k] = td
+        return td
+
+    def send(asg, t: float, lat: float) -> None:
+        push(hop(t, lat, inbox_last, asg.rank), DELIVER, asg)
 
     def hop_to_scheduler(i: int, t: float) -> None:
-        # every hop has its jitter (a burst does not reach a dispatcher in one instant);
-        # each api-server's messages stay in order, as on its connection
-        nonlocal jpos
-        a = api[i]
-        td = t + lat_a2s + jitters[jpos % jitters.size]
-        jpos += 1
-        if td < sched_last[a]:
-            td = sched_last[a]
-        sched_last[a] = td
-        push(td, SCHED, i)
+        push(hop(t, lat_a2s, sched_last, api[i]), SCHED, i)   # each api-server's connection in order
 
     def arm_poll(k: int) -> None:
         d = pols[k].next_deadline()
