@@ -1,6 +1,6 @@
 """scripts/bench-live's report: the table and the run-by-run verdict (pure parts)."""
 
-from services.admin.live_bench import table, verdict
+from services.admin.live_bench import failures, table, verdict
 
 
 def _run(tok_s, ttft99):
@@ -22,3 +22,12 @@ def test_table_shows_the_median_and_every_run():
     row = table(doc).splitlines()[2]
     assert row.startswith("| default | 110 | 10 | 800 |")
     assert row.endswith("| 110, 900 / 90, 800 / 120, 700 |")
+
+
+def test_a_run_with_failed_requests_is_named_with_why():
+    bad = {**_run(110, 900), "completed": 596, "failed": 4, "rejected": 3, "errors": ["HTTP 429", "timeout"]}
+    doc = {"runs": {"default": [_run(110, 900), bad], "least_score": [_run(100, 1000)] * 2}}
+    assert failures(doc) == ["default run 2: 4 of 600 requests failed (3 refused with a 429; errors: HTTP 429; timeout)"]
+    old = {**_run(110, 900), "failed": 2}          # a file from before rejected/errors were kept
+    assert failures({"runs": {"default": [old]}}) == [
+        "default run 1: 2 of 6 requests failed (0 refused with a 429; errors: not recorded)"]

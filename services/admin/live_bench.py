@@ -35,7 +35,8 @@ CONFIGS = {
     "least_score": ["--policy", "least_score", "--no-align-tokens"],   # the earlier default
 }
 MEASURES = ("throughput_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-            "balance_ratio", "idle_forward_fraction", "completed", "failed")
+            "balance_ratio", "idle_forward_fraction", "completed", "failed",
+            "rejected", "errors")   # of the failed: refused with a 429 (admission control), and why the rest failed
 
 
 def _cli(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
@@ -173,6 +174,21 @@ def verdict(doc: dict[str, Any], a: str = "default", b: str = "least_score") -> 
     return out
 
 
+def failures(doc: dict[str, Any]) -> list[str]:
+    """Every run in which a request did not complete: how many, how many of those the
+    api-servers refused with a 429 (admission control: the client may retry), and why
+    the others failed. A run with failures is not the same trace served."""
+    out = []
+    for name, runs in doc["runs"].items():
+        for i, r in enumerate(runs, 1):
+            if r.get("failed"):
+                n = (r.get("completed") or 0) + r["failed"]
+                why = "; ".join(r.get("errors") or []) or "not recorded"
+                out.append(f"{name} run {i}: {r['failed']} of {n} requests failed "
+                           f"({r.get('rejected') or 0} refused with a 429; errors: {why})")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/bench-live", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=8)
@@ -213,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in verdict(doc):
         print("- " + line)
+    for line in failures(doc):
+        print("- NOT every request completed: " + line)
     return 0
 
 
