@@ -8,7 +8,7 @@ import pytest
 from services.api_server.admission import admit, retry_after_s
 from services.api_server.errors import ApiError
 from services.api_server.gateway import QUEUE_VIEW_FRESH_S, queue_wait_s
-from services.scheduler.step_publisher import queue_eta_ms, queue_wait_ms
+from services.scheduler.step_publisher import QueueEta, queue_eta_ms, queue_wait_ms
 from shared.policy.base import RequestInfo
 from shared.policy.registry import make_policy
 from shared.stats import RankStats, Snapshot
@@ -93,6 +93,35 @@ def test_the_bound_reads_a_new_requests_expected_wait_not_the_heads_past_one():
     assert queue_eta_ms(5, 1e-6, 300) == 300          # a rate decayed from long ago is no rate (it read 5e6 s)
     with pytest.raises(ApiError):
         admit(_gw(queue_wait_s(str(queue_eta_ms(30, 2.0, 1000)).encode(), b"100.0", 100.0)), _settings())
+
+
+def test_a_burst_after_a_quiet_spell_is_not_measured_by_the_quiet_spells_rate():
+    # with headroom the ranks take requests as they arrive (2/s here), however fast they could;
+    # a burst of 300 then read an ETA of 300 / 2 = 150 s and new requests were refused with a
+    # 429 while the ranks drained it in seconds (live, 8 sim ranks at 1.2x, 4 of 600 refused)
+    eta, placed, t = QueueEta(window_s=5.0), 0, 0.0
+    while t < 10.0:                                   # 10 s of headroom: each request placed as it comes
+        placed += 1
+        eta.observe(placed, 0, t)
+        t += 0.5
+    eta.observe(placed, 300, 10.0)                   # the burst: 300 wait
+    assert eta.eta_ms(300, 400, 10.4) == 400         # a backlog younger than the window: the head's wait
+    for i in range(1, 51):                           # the ranks take 20 a second while it lasts
+        placed += 2
+        eta.observe(placed, 300 - 2 * i, 10.0 + 0.1 * i)
+    assert eta.eta_ms(200, 5000, 15.0) == pytest.approx(200 / 20 * 1000, rel=0.05)   # backlogged: the ranks' rate
+    eta.observe(placed, 0, 15.1)                     # drained: the next backlog measures afresh
+    eta.observe(placed + 5, 40, 15.2)
+    assert eta.eta_ms(40, 100, 16.0) == 100
+
+
+def test_a_backlog_the_ranks_do_not_drain_is_refused_once_it_has_lasted_the_window():
+    eta = QueueEta(window_s=5.0)
+    for i in range(61):                              # 0.5 placements/s against 30 waiting, for 6 s
+        eta.observe(i // 20, 30, 0.1 * i)
+    assert eta.eta_ms(30, 6000, 6.0) > 40_000          # ~60 s: 30 ahead at 0.5 a second
+    with pytest.raises(ApiError):
+        admit(_gw(queue_wait_s(str(eta.eta_ms(30, 6000, 6.0)).encode(), b"6.0", 6.0)), _settings())
 
 
 def test_hints_name_the_clusters_namespace():
