@@ -115,6 +115,25 @@ def test_a_burst_after_a_quiet_spell_is_not_measured_by_the_quiet_spells_rate():
     assert eta.eta_ms(40, 100, 16.0) == 100
 
 
+def test_a_burst_placed_longest_first_is_measured_in_prompt_tokens():
+    # a burst of 20 prompts of 8,000 tokens and 200 of 200, placed longest first, on ranks
+    # that take 20,000 prompt tokens a second: all gone in 10 s. Its first 5 s place only
+    # the 12 long ones, 2.4 requests/s, so in requests the 208 left read 87 s
+    eta, placed, left = QueueEta(window_s=5.0), 0, [8000] * 20 + [200] * 200
+    eta.observe(0, sum(left), 0.0)
+    t, budget = 0.0, 0.0
+    while t < 5.0 - 1e-9:
+        t += 0.1
+        budget += 2000.0                                # 0.1 s of the ranks' 20,000 tokens/s
+        while left and left[0] <= budget:
+            budget -= left[0]
+            placed += left.pop(0)
+        eta.observe(placed, sum(left), t)
+    true_s = sum(left) / 20_000
+    assert eta.eta_ms(sum(left), 5000, t) == pytest.approx(true_s * 1000, rel=0.3)
+    assert len(left) / (12 / 5.0) > 60                  # the same queue in requests/s: refused at 60 s
+
+
 def test_a_backlog_the_ranks_do_not_drain_is_refused_once_it_has_lasted_the_window():
     eta = QueueEta(window_s=5.0)
     for i in range(61):                              # 0.5 placements/s against 30 waiting, for 6 s

@@ -354,10 +354,12 @@ def test_no_ranks_holds_bounded_then_releases():
     assert b.next_deadline() is None
     with pytest.raises(BatcherFull):
         b.submit(req(99), 9.0)
+    assert b.drop("r4") and b.unplaced_tokens == 400   # the queue's ETA counts prompt tokens
+    b.submit(req(4), 4.0)
     b.set_ranks([2, 5])
     assert b.next_deadline() <= 9.0
     got = b.poll(9.0)
-    assert len(got) == 5 and b.unplaced == 0
+    assert len(got) == 5 and b.unplaced == 0 and b.unplaced_tokens == 0
     assert {a.rank for a in got} <= {2, 5} and len(got[0].batch_counts) == 6
     assert got[0].batch_counts[0] == 0 and sum(got[0].batch_counts) == 5
 

@@ -124,9 +124,11 @@ def test_only_requests_that_arrived_together_are_reordered():
     p.on_snapshot(_snap([5000, 6000]))                  # every rank above the level: all wait
     for k, (prompt, t) in enumerate(((100, 0.0), (3000, 0.1), (100, 0.2), (3000, 0.21)), start=1):
         assert p.submit(_req(k, prompt=prompt), t) == []
+    assert p.unplaced_tokens == 6200                    # the queue's ETA counts prompt tokens
     p.on_snapshot(_snap([0, 0], seq=2))
     # 1 and 2 arrived 100 ms apart: arrival order; 3 and 4 10 ms apart: the longer first
     assert [a.request_id for a in p.poll(0.5)] == ["1", "2", "4", "3"]
+    assert p.unplaced_tokens == 0
 
 
 def test_longest_first_keeps_every_entry_it_does_not_place_even_with_a_repeated_id():
@@ -192,7 +194,7 @@ def test_drop_and_bounded_queue():
     with pytest.raises(BatcherFull):
         p.submit(_req(3), 0.0)
     assert p.drop("1") and not p.drop("1")
-    assert p.unplaced == 1
+    assert p.unplaced == 1 and p.unplaced_tokens == 1000
 
 
 def test_client_mode_places_immediately():

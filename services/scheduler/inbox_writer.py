@@ -54,6 +54,7 @@ class InboxWriter:
         if len(st.assigned) > ASSIGNED_MEMORY:
             st.assigned.popitem(last=False)
         st.counters["dispatched"] += 1
+        st.counters["dispatched_tokens"] += req.prompt_tokens
 
     def release(self, pipe: Any, a: Assignment, now: float) -> bytes | None:
         """Emit an unplaced request the policy released; its stream entry id (to ack), or None."""

@@ -44,15 +44,20 @@ def queue_eta_ms(unplaced: int, placed_per_s: float, head_wait_ms: int) -> int:
 
 
 class QueueEta:
-    """The queue's ETA from the placements made *while requests waited*. Placements are
-    the rate the ranks take requests only while some wait for them; with headroom they are
-    the arrival rate, however fast the ranks are. Measured over any window, a burst after
-    a quiet spell met the quiet spell's rate (a few requests/s for a group that takes
-    dozens): live, 8 sim ranks at 1.2x capacity, an ETA of minutes for a queue that
-    drained in seconds, and requests refused with a 429 (4 of 600 in one run, 2026-12-05).
-    So the meter starts when a backlog does and ends with it, and until the backlog has
-    lasted a whole ``window_s`` the figure is the head's wait (a backlog that young is
-    under ``window_s`` old: no bound above that refuses). Pure: time passed in."""
+    """The queue's ETA: the prompt tokens waiting over the prompt tokens/s the ranks took
+    *while requests waited*. Two ways a plain placements/s misled (live, 8 sim ranks at 1.2x
+    capacity, a burst of 300 requests: an ETA of 57-80 s published for a queue that was gone
+    in 16 s, and 4-9 of 600 requests refused with a 429, 2026-12-06):
+    - with headroom the ranks take requests as they arrive, so placements are the arrival
+      rate, whatever the ranks could take; a burst after a quiet spell met the quiet rate.
+      So the meter starts when a backlog does and ends with it, and until the backlog has
+      lasted a whole ``window_s`` the figure is the head's wait (a backlog that young is
+      under ``window_s`` old: no bound above that refuses);
+    - a burst is placed longest prompt first, so its first seconds place a few long prompts
+      and read few requests/s. What a rank takes is prefill work, so the ETA counts prompt
+      tokens, ahead and per second.
+    Units are the caller's (requests where a policy does not count tokens). Pure: time
+    passed in."""
 
     __slots__ = ("window_s", "_since", "_meter", "_seen")
 
@@ -60,13 +65,13 @@ class QueueEta:
         self.window_s = window_s
         self._since: float | None = None    # when the current backlog began
         self._meter: RateMeter | None = None
-        self._seen: int | None = None       # the placements counter at the last observation
+        self._seen: int | None = None       # the placed counter at the last observation
 
-    def observe(self, placed_total: int, unplaced: int, now: float) -> None:
-        """Record the scheduler's placements counter and unplaced count at ``now``."""
+    def observe(self, placed_total: int, waiting: int, now: float) -> None:
+        """Record what was placed so far (a running total) and what waits, at ``now``."""
         new = 0 if self._seen is None else max(0, placed_total - self._seen)
         self._seen = placed_total
-        if unplaced <= 0:
+        if waiting <= 0:
             self._since = self._meter = None
             return
         if self._meter is None:   # a backlog begins: what was placed before it says nothing of the ranks
@@ -75,12 +80,12 @@ class QueueEta:
             return
         self._meter.add(new, now)
 
-    def eta_ms(self, unplaced: int, head_wait_ms: int, now: float) -> int:
-        if unplaced <= 0:
+    def eta_ms(self, waiting: int, head_wait_ms: int, now: float) -> int:
+        if waiting <= 0:
             return 0
         if self._since is None or self._meter is None or now - self._since < self.window_s:
             return head_wait_ms
-        return queue_eta_ms(unplaced, self._meter.rate(now), head_wait_ms)
+        return queue_eta_ms(waiting, self._meter.rate(now), head_wait_ms)
 
 
 class StepPublisher:
@@ -124,10 +129,14 @@ class StepPublisher:
         newest = snaps[-1]
         blob = encode(newest)
         now = time.time()
-        unplaced = int(getattr(st.policy, "unplaced", 0) or 0)
-        self._eta.observe(st.counters.get("dispatched", 0), unplaced, now)
+        tokens = getattr(st.policy, "unplaced_tokens", None)
+        if tokens is None:   # a policy that does not count tokens: requests
+            waiting, placed = int(getattr(st.policy, "unplaced", 0) or 0), st.counters.get("dispatched", 0)
+        else:
+            waiting, placed = int(tokens), st.counters.get("dispatched_tokens", 0)
+        self._eta.observe(placed, waiting, now)
         head_ms = queue_wait_ms(st.policy, now)
-        eta_ms = self._eta.eta_ms(unplaced, head_ms, now)
+        eta_ms = self._eta.eta_ms(waiting, head_ms, now)
         pipe.hset(self.keys.snapshot, mapping={"json": blob, "seq": newest.seq, "wave": newest.wave,
                                                "step": newest.step, "t": newest.t,
                                                "queue_wait_ms": head_ms, "queue_eta_ms": eta_ms, "queue_at": now})

@@ -83,6 +83,7 @@ class StaggeredBatcher:
 
         self._ranks: list[int] = []
         self._unplaced: deque[_Unplaced] = deque()   # requests waiting here for their batch
+        self._unplaced_tokens = 0                     # their prompt tokens (the queue's ETA)
         self._min_deadline: float | None = None
         # per rank id
         self._unseen: dict[int, UnseenSends] = {}   # amount: cost, blocks: prompt blocks
@@ -115,6 +116,11 @@ class StaggeredBatcher:
     @property
     def unplaced(self) -> int:
         return len(self._unplaced)
+
+    @property
+    def unplaced_tokens(self) -> int:
+        """Prompt tokens of the unplaced requests."""
+        return self._unplaced_tokens
 
     def oldest_unplaced(self) -> float | None:
         return self._unplaced[0].t if self._unplaced else None
@@ -210,6 +216,7 @@ class StaggeredBatcher:
         self.window_ms = w
         h = _Unplaced(req, now, now + w / 1000.0, raw > self.hard_max_wait_ms)
         self._unplaced.append(h)
+        self._unplaced_tokens += req.prompt_tokens
         if self._min_deadline is None or h.deadline < self._min_deadline:
             self._min_deadline = h.deadline
         return self._release_due(now)
@@ -231,6 +238,7 @@ class StaggeredBatcher:
         for h in self._unplaced:
             if h.req.id == request_id:
                 self._unplaced.remove(h)
+                self._unplaced_tokens -= h.req.prompt_tokens
                 self._min_deadline = min((x.deadline for x in self._unplaced), default=None)
                 return True
         return False
@@ -281,6 +289,7 @@ class StaggeredBatcher:
             return []
         batch = list(self._unplaced)
         self._unplaced.clear()
+        self._unplaced_tokens = 0
         self._min_deadline = None
         return self._release(batch, reason, now)
 

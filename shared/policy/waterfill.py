@@ -106,6 +106,7 @@ class WaterFill(_LocalViewPolicy):
         self.together_s = together_s
         self.max_unplaced = max_unplaced
         self._queue: deque[tuple[RequestInfo, float]] = deque()
+        self._queued_tokens = 0          # prompt tokens in _queue (the queue's ETA, step_publisher.py)
         self._view_at = float("-inf")    # when this dispatcher first acted on its newest snapshot
         self._view_snaps = 0
         self.released = 0
@@ -161,6 +162,7 @@ class WaterFill(_LocalViewPolicy):
         if len(self._queue) >= self.max_unplaced:
             raise BatcherFull(f"waterfill: {len(self._queue)} requests unplaced (max_unplaced)")
         self._queue.append((req, now))
+        self._queued_tokens += req.prompt_tokens
         return self._drain(now)
 
     def poll(self, now: float) -> list[Assignment]:
@@ -182,12 +184,18 @@ class WaterFill(_LocalViewPolicy):
         for k, (req, _) in enumerate(self._queue):
             if req.id == request_id:
                 del self._queue[k]
+                self._queued_tokens -= req.prompt_tokens
                 return True
         return False
 
     @property
     def unplaced(self) -> int:
         return len(self._queue)
+
+    @property
+    def unplaced_tokens(self) -> int:
+        """Prompt tokens of the unplaced requests."""
+        return self._queued_tokens
 
     def oldest_unplaced(self) -> float | None:
         return self._queue[0][1] if self._queue else None
@@ -259,4 +267,5 @@ class WaterFill(_LocalViewPolicy):
         self.released += 1
         self.released_by_bound += int(by_bound)
         self.hold_s_total += now - t0
+        self._queued_tokens -= req.prompt_tokens
         return self._record(req, self._ranks[i], i, now, "dispatch")
