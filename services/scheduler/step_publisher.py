@@ -47,7 +47,7 @@ class QueueEta:
     """The queue's ETA: the prompt tokens waiting over the prompt tokens/s the ranks took
     *while requests waited*. Two ways a plain placements/s misled (live, 8 sim ranks at 1.2x
     capacity, a burst of 300 requests: an ETA of 57-80 s published for a queue that was gone
-    in 16 s, and 4-9 of 600 requests refused with a 429, 2026-12-06):
+    in 16 s, and up to 9 of 600 requests refused with a 429, 2026-12-06):
     - with headroom the ranks take requests as they arrive, so placements are the arrival
       rate, whatever the ranks could take; a burst after a quiet spell met the quiet rate.
       So the meter starts when a backlog does and ends with it, and until the backlog has
