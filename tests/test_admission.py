@@ -8,7 +8,7 @@ import pytest
 from services.api_server.admission import admit, retry_after_s
 from services.api_server.errors import ApiError
 from services.api_server.gateway import QUEUE_VIEW_FRESH_S, queue_wait_s
-from services.scheduler.step_publisher import QueueEta, queue_eta_ms, queue_wait_ms
+from services.scheduler.queue_eta import QueueEta, queue_eta_ms, queue_wait_ms
 from shared.policy.base import RequestInfo
 from shared.policy.registry import make_policy
 from shared.stats import RankStats, Snapshot

@@ -23,7 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 _WAIT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _SERVICE_COUNTERS = {
     "dispatched": ("lockstep_scheduler_dispatched", "Requests placed on a rank"),
-    "dispatched_tokens": ("lockstep_scheduler_dispatched_prompt_tokens", "Prompt tokens of the requests placed on a rank"),
+    "dispatched_tokens": ("lockstep_scheduler_dispatched_prompt_tokens",
+                          "Prompt tokens of the requests placed on a rank"),
     "explicit": ("lockstep_scheduler_explicit", "Requests whose rank the client fixed (data_parallel_rank)"),
     "aborts_routed": ("lockstep_scheduler_aborts_routed", "Aborts forwarded to the owning rank"),
     "snapshots": ("lockstep_scheduler_snapshots_published", "Step-consistent snapshots published"),

@@ -4,7 +4,7 @@ job until stopped. The jobs share one ``SchedulerState`` (state.py):
 - leadership.py: the lease ``<ns>:leader`` (campaign, renewal, stepping down);
 - intake.py: the request stream -> policy -> inbox_writer.py (inboxes, records, acks);
 - batching.py: staggered batches released by deadline;
-- step_publisher.py: step reports -> StepAggregator -> snapshots;
+- step_publisher.py: step reports -> StepAggregator -> snapshots (with queue_eta.py's wait);
 - membership.py: heartbeats and drained ranks -> which ranks may get work;
 - recovery.py: dead ranks' work resumed, acked entries trimmed.
 """

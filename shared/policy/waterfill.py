@@ -106,7 +106,7 @@ class WaterFill(_LocalViewPolicy):
         self.together_s = together_s
         self.max_unplaced = max_unplaced
         self._queue: deque[tuple[RequestInfo, float]] = deque()
-        self._queued_tokens = 0          # prompt tokens in _queue (the queue's ETA, step_publisher.py)
+        self._queued_tokens = 0          # prompt tokens in _queue (the queue's ETA: scheduler/queue_eta.py)
         self._view_at = float("-inf")    # when this dispatcher first acted on its newest snapshot
         self._view_snaps = 0
         self.released = 0
