@@ -98,7 +98,8 @@ def test_the_bound_reads_a_new_requests_expected_wait_not_the_heads_past_one():
 def test_a_burst_after_a_quiet_spell_is_not_measured_by_the_quiet_spells_rate():
     # with headroom the ranks take requests as they arrive (2/s here), however fast they could;
     # a burst of 300 then read an ETA of 300 / 2 = 150 s and new requests were refused with a
-    # 429 while the ranks drained it in seconds (live, 8 sim ranks at 1.2x, 4 of 600 refused)
+    # 429 while the ranks drained it in seconds (live, 8 sim ranks at 1.2x: 41-57 s published
+    # while the oldest had waited 1-4 s; the old meter reads 173 s here)
     eta, placed, t = QueueEta(window_s=5.0), 0, 0.0
     while t < 10.0:                                   # 10 s of headroom: each request placed as it comes
         placed += 1

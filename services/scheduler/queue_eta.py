@@ -24,13 +24,13 @@ PLACEMENT_WINDOW_S = 5.0   # the placement rate behind the queue's ETA: steadier
 def queue_eta_ms(unplaced: int, placed_per_s: float, head_wait_ms: int) -> int:
     """How long a request arriving now would wait unplaced: what is ahead of it over the
     rate the ranks take it (measured; :class:`QueueEta` gives both in prompt tokens). This
-    is the figure the api-servers' ``max_queue_wait_s`` bounds. The head's own wait (how long the oldest
-    has waited) looks back: above capacity it passes the bound only after the queue holds
-    more than the bound's worth, and falls back under it only once refusing every request
-    has emptied the queue, so admission swung between all and nothing with TTFT at about
-    twice the bound (the load probe, 2026-12-05). With under one unit placed in the
-    measuring window (the ranks took nothing lately, or the rate is what is left of one
-    from long ago) there is no rate to divide by: the head's wait is the figure, as before."""
+    is the figure the api-servers' ``max_queue_wait_s`` bounds. The head's own wait (how
+    long the oldest has waited) looks back: above capacity it passes the bound only after
+    the queue holds more than the bound's worth, and falls back under it only once refusing
+    every request has emptied the queue, so admission swung between all and nothing with
+    TTFT at about twice the bound (the load probe, 2026-12-05). With under one unit placed
+    in the measuring window (the ranks took nothing lately, or the rate is what is left of
+    one from long ago) there is no rate to divide by: the head's wait is the figure."""
     if unplaced <= 0:
         return 0
     if placed_per_s * PLACEMENT_WINDOW_S < 1.0:
