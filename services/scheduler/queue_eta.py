@@ -18,7 +18,7 @@ def queue_wait_ms(policy: Any, now: float) -> int:
     return 0 if t is None else max(0, int((now - t) * 1000))
 
 
-PLACEMENT_WINDOW_S = 5.0   # the placement rate behind the queue's ETA: steadier than a step, quicker than a trend
+PLACEMENT_WINDOW_S = 5.0   # the placement rate behind the ETA: steadier than a step, quicker than a trend
 
 
 def queue_eta_ms(unplaced: int, placed_per_s: float, head_wait_ms: int) -> int:

@@ -24,7 +24,8 @@ class SchedulerState:
     # leader's batch numbers sort after the old one's (batch_gate.batch_number).
     dispatcher_id: str = "scheduler"
     counters: dict[str, int] = field(default_factory=lambda: {
-        "dispatched": 0, "dispatched_tokens": 0, "explicit": 0, "aborts_routed": 0, "snapshots": 0, "bad_entries": 0})
+        "dispatched": 0, "dispatched_tokens": 0, "explicit": 0, "aborts_routed": 0, "snapshots": 0,
+        "bad_entries": 0})
     assigned: OrderedDict[str, int] = field(default_factory=OrderedDict)   # request id -> rank (aborts)
     # read, not placed yet (waterfill, staggered): id -> (stream entry, request)
     unplaced: dict[str, tuple[bytes, Request]] = field(default_factory=dict)
