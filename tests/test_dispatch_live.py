@@ -30,8 +30,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MODEL = "lockstep-moe"
 RANKS = 4
 BURST = 400
-MAX_TOKENS = 8
-PROMPT = "x" * 32          # equal lengths: 32 prompt tokens, 8 output tokens each
+# equal lengths: 32 prompt tokens, 64 output tokens each. Long enough that no request
+# finishes while the burst is still being placed: least_score rightly sends more to a rank
+# whose requests finished, and with 8 tokens a starved CI machine stretched the placement
+# (0.1-0.2 s idle) past the first finish (0.4 s): 97 / 96 / 96 / 111
+MAX_TOKENS = 64
+PROMPT = "x" * 32
 
 
 @pytest.fixture(scope="module", params=["scheduler", "client"])
