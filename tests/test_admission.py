@@ -120,19 +120,23 @@ def test_a_burst_placed_longest_first_is_measured_in_prompt_tokens():
     # a burst of 20 prompts of 8,000 tokens and 200 of 200, placed longest first, on ranks
     # that take 20,000 prompt tokens a second: all gone in 10 s. Its first 5 s place only
     # the 12 long ones, 2.4 requests/s, so in requests the 208 left read 87 s
-    eta, placed, left = QueueEta(window_s=5.0), 0, [8000] * 20 + [200] * 200
-    eta.observe(0, sum(left), 0.0)
-    t, budget = 0.0, 0.0
-    while t < 5.0 - 1e-9:
-        t += 0.1
+    tokens, requests = QueueEta(window_s=5.0), QueueEta(window_s=5.0)
+    placed_tokens, placed_requests, left = 0, 0, [8000] * 20 + [200] * 200
+    tokens.observe(0, sum(left), 0.0)
+    requests.observe(0, len(left), 0.0)
+    budget = 0.0
+    for k in range(1, 51):                              # 5 s: the backlog has lasted the window
+        t = k / 10
         budget += 2000.0                                # 0.1 s of the ranks' 20,000 tokens/s
         while left and left[0] <= budget:
             budget -= left[0]
-            placed += left.pop(0)
-        eta.observe(placed, sum(left), t)
+            placed_tokens += left.pop(0)
+            placed_requests += 1
+        tokens.observe(placed_tokens, sum(left), t)
+        requests.observe(placed_requests, len(left), t)
     true_s = sum(left) / 20_000
-    assert eta.eta_ms(sum(left), 5000, t) == pytest.approx(true_s * 1000, rel=0.3)
-    assert len(left) / (12 / 5.0) > 60                  # the same queue in requests/s: refused at 60 s
+    assert tokens.eta_ms(sum(left), 1, t) == pytest.approx(true_s * 1000, rel=0.3)   # 1: not the head's wait
+    assert requests.eta_ms(len(left), 1, t) > 60_000     # counted in requests: refused at 60 s
 
 
 def test_a_backlog_the_ranks_do_not_drain_is_refused_once_it_has_lasted_the_window():

@@ -26,8 +26,8 @@ from services.engine_worker.step_view import (BUSY_FLAG, LULL_FLAG, TAIL_FLAG, F
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_clock import StepClock
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, lull_budget,
-                                                must_tokens, shared_budget, tail_budget, tail_share, trim_plan, TAIL_MAX_FILL,
-                                                TAIL_MIN_FILL)
+                                                must_tokens, shared_budget, tail_budget, tail_share, trim_plan,
+                                                TAIL_MAX_FILL, TAIL_MIN_FILL)
 
 
 # the mean prompt behind the lull test moves 1/20 of the way to each arrival (about the
