@@ -87,3 +87,40 @@ def test_a_sweep_names_the_default_only_when_it_ran():
     kw = dict(ranks=2, api_servers=1, workload="poisson", requests=30, seed=1)
     assert sweep.load_sweep([0.5], policies="vllm", **kw)["default"] is None
     assert sweep.load_sweep([0.5], policies="default", **kw)["default"] == "default"
+
+
+def test_goal_tally_counts_each_judged_line_once():
+    from services.simulator.bench_table import goal_tally
+    lines = ["- load 0.5: throughput 1 vs best peer x 2 tok/s — NOT met; TTFT p99 0.1 s vs best x 0.2 s — met; "
+             "ITL p99 5 vs 6 ms — met",
+             "- load 1: the default policy is not in this run — not judged"]
+    assert goal_tally(lines) == (1, 3)
+
+
+@pytest.mark.parametrize("argv, says", [(["--workloads", "poisson,nope"], "unknown nope"),
+                                        (["--seed", "2", "--only", "default"], "not with --only")])
+def test_another_trace_refuses_what_it_cannot_judge_before_running_anything(capsys, argv, says):
+    from services.simulator.bench_table import main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_another_trace_prints_the_goals_on_that_seed_and_leaves_the_page(monkeypatch, capsys):
+    from services.simulator import bench_table as bt
+    page = bt.OUT.read_text()
+    # a small group and trace, the same code path: the full one runs for minutes
+    monkeypatch.setattr(bt, "RANKS", 2)
+    monkeypatch.setattr(bt, "API_SERVERS", 1)
+    monkeypatch.setattr(bt, "REQUESTS", 40)
+    monkeypatch.setattr(bt, "LOADS", (0.5,))
+    monkeypatch.setattr(bt, "POLICIES", "default,trtllm_adp_placement_only")
+    bt.main(["--seed", "3", "--workloads", "poisson", "--profile", "deepseek-v3-gb200", "--jobs", "1"])
+    out = capsys.readouterr().out
+    assert "## poisson (deepseek-v3-gb200), seed 3:" in out
+    assert "--seed 3 --sweep 0.5 --profile deepseek-v3-gb200" in out
+    assert "best peer trtllm_adp_placement_only" in out
+    missed, judged = (int(x) for x in out.rsplit("seed 3, poisson: ", 1)[1].split(" goal lines")[0].split(" of "))
+    assert judged == 3 and 0 <= missed <= 3
+    assert bt.OUT.read_text() == page

@@ -5,7 +5,9 @@ and one PNG per sweep (docs/img/sweep-WORKLOAD.png, sweep-PROFILE-WORKLOAD.png).
 
 ``scripts/bench-table --quick`` runs a small version (for a look, not for the page);
 ``scripts/bench-table --only default`` re-runs only the default's rows (after a change to it)
-and merges them into the last full run (the peers' code did not change, nor their rows)."""
+and merges them into the last full run (the peers' code did not change, nor their rows).
+``scripts/bench-table --seed 2`` (or ``--workloads heavy-tail,onoff``) judges the goals on
+another trace: the own-deployment sweeps on every profile, printed, the page untouched."""
 
 from __future__ import annotations
 
@@ -35,10 +37,11 @@ RANKS, API_SERVERS, REQUESTS, SEED = 16, 4, 2000, 1
 OTHER_PROFILES = ("deepseek-v3-gb200",)   # the own-deployment sweeps again on these device profiles
 
 
-def _run(args: tuple[str, str | None, tuple[float, ...], int, int, int, str, str | None]) -> dict[str, Any]:
-    workload, dispatch, loads, ranks, api, requests, policies, profile = args
+def _run(args: tuple[Any, ...]) -> dict[str, Any]:
+    workload, dispatch, loads, ranks, api, requests, policies, profile, *seed = args
     return sweep.load_sweep(list(loads), ranks=ranks, api_servers=api, workload=workload,
-                            requests=requests, seed=SEED, policies=policies, dispatch=dispatch, profile=profile)
+                            requests=requests, seed=seed[0] if seed else SEED, policies=policies,
+                            dispatch=dispatch, profile=profile)
 
 
 def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -142,6 +145,12 @@ def goal_lines(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def goal_tally(lines: list[str]) -> tuple[int, int]:
+    """(goal lines NOT met, goal lines judged) in :func:`goal_lines`' output."""
+    missed = sum(line.count("— NOT met") for line in lines)
+    return missed, missed + sum(line.count("— met") for line in lines)
+
+
 def check_markdown(docs: dict[str, dict[str, Any]]) -> str:
     """Default vs the best peer (by throughput) in both uniform deployments."""
     rows = ["| workload | deployment | load | default: eff / TTFT p99 / ITL p99 ms | best peer by throughput: same |",
@@ -172,7 +181,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--only", metavar="POLICIES",
                     help="re-run only these policies (comma-separated, e.g. default after changing it) and "
                          "merge them into docs/benchmarks.json; the other rows stay as they were")
+    ap.add_argument("--seed", type=int, default=SEED,
+                    help=f"judge the goals on another trace (the page's is seed {SEED}): the own-deployment sweeps "
+                         "on every profile, printed with a count of the lines missed; the page untouched")
+    ap.add_argument("--workloads", metavar="W1,W2",
+                    help="the same on these workloads (any of lockstep simulate's, e.g. heavy-tail,onoff,fixed,blog; "
+                         f"the page's are {','.join(WORKLOADS)}): printed, the page untouched")
     a = ap.parse_args(argv)
+    if a.seed != SEED or a.workloads:
+        return _other_trace(ap, a)
     if a.only:
         from services.simulator.sim import SimConfig, resolve_policies
         try:
@@ -232,6 +249,33 @@ def main(argv: list[str] | None = None) -> None:
         {"own": own, "uniform": {f"{k[0]}:{k[1]}": v for k, v in both.items()}, "profiles": profiles,
          "wall_s": wall, "rerun": rerun}))
     write_page(own, both, wall, rerun, profiles)
+
+
+def _other_trace(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """``--seed`` / ``--workloads``: the goals judged on a trace the page does not show (is
+    the default tuned to one trace?), printed; the page and docs/benchmarks.json untouched."""
+    from services.simulator.workload import WORKLOADS as KNOWN
+    if a.only or a.quick or a.from_json:
+        ap.error("--seed / --workloads judge the default against every peer on a new trace: "
+                 "not with --only, --quick or --from-json")
+    workloads = tuple(w.strip() for w in a.workloads.split(",") if w.strip()) if a.workloads else WORKLOADS
+    bad = [w for w in workloads if w.split(":", 1)[0] not in KNOWN]
+    if bad or not workloads:
+        ap.error(f"--workloads: unknown {', '.join(bad) or 'none given'}; known: {', '.join(KNOWN)}")
+    profiles = [a.profile] if a.profile else [None, *OTHER_PROFILES]
+    jobs = [(w, None, LOADS, RANKS, API_SERVERS, REQUESTS, POLICIES, prof, a.seed) for prof in profiles for w in workloads]
+    t0 = time.perf_counter()
+    missed = judged = 0
+    with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as ex:
+        for j, doc in zip(jobs, ex.map(_run, jobs)):
+            lines = goal_lines(doc)
+            m, n = goal_tally(lines)
+            missed, judged = missed + m, judged + n
+            name = j[0] if j[7] is None else f"{j[0]} ({j[7]})"
+            print(f"## {name}, seed {a.seed}: {m} of {n} goal lines not met\n`{cmd(doc)}`\n\n{sweep_markdown(doc)}\n\n"
+                  + "\n".join(lines) + "\n", flush=True)
+    print(f"seed {a.seed}, {', '.join(workloads)}: {missed} of {judged} goal lines not met "
+          f"({time.perf_counter() - t0:.0f} s)")
 
 
 def _sweep_section(w: str, doc: dict[str, Any], img: str) -> str:
