@@ -135,3 +135,28 @@ def test_the_fixed_workload_is_every_request_alike():
     assert set(tr.prompt.tolist()) == {1024} and set(tr.output.tolist()) == {128}
     gaps = tr.t[1:] - tr.t[:-1]
     assert (gaps >= 0).all() and 1 / 50.0 * 0.7 < gaps.mean() < 1 / 50.0 * 1.3
+
+
+
+def _blocked_cfg(blocked_tokens: int) -> BudgetConfig:
+    from dataclasses import replace
+    return replace(_cfg(lull_prompts=0.0), blocked_tokens=blocked_tokens)
+
+
+def test_a_busy_group_with_a_blocked_rank_runs_short_steps():
+    # (rank_step.py _budget, align_blocked_tokens) 16 ranks decoding 30 each with a
+    # 600-token prompt, one of which cannot start its prompt (KV full): the balance rule
+    # alone runs 630-token steps ((15 x 630 + 30) / (16 x 630) = 0.94); the cap keeps them
+    # to the decodes + 192, so the blocked rank's sequences finish, and free its room, in
+    # shorter steps (ramp at 1.0-1.5x, seeds 1-3: 0.938 -> 0.945 of ideal on average)
+    queued = [600] * 16
+    assert _rank_step(_blocked_cfg(0))._budget(_view(queued, blocked=(3,))) == 630
+    assert _rank_step(_blocked_cfg(192))._budget(_view(queued, blocked=(3,))) == 30 + 192
+
+
+def test_the_blocked_cap_needs_a_blocked_rank_and_a_busy_group_and_keeps_prefill_going():
+    rs = _rank_step(_blocked_cfg(192))
+    assert rs._budget(_view([600] * 16)) == 630                          # nobody blocked
+    assert rs._budget(_view([600] * 16, flags=0, blocked=(3,))) == 630   # not busy: the balance rule alone
+    # many decodes (a large max_num_seqs): the cap is above them, so the others still prefill
+    assert rs._budget(_view([FULL] * 16, decode=300, blocked=(3,))) == 300 + 192

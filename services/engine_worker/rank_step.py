@@ -311,6 +311,9 @@ class RankStep:
         elif cfg.min_balance > 0:
             # the largest budget most ranks can fill; a rank capped max_capped_steps in a row runs
             T = balanced_budget(decode, tokens, cfg.min_balance, cfg.max_tokens)
+            # busy, and some rank cannot start what it holds: short steps free its room sooner
+            if cfg.blocked_tokens > 0 and view.rows[0][F_BUSY] & BUSY_FLAG and _any_blocked(view):
+                T = min(T, max(decode) + cfg.blocked_tokens)
             # in a lull nobody is coming: balanced among the ranks that have prefill
             if cfg.lull_prompts > 0 and view.rows[0][F_BUSY] & LULL_FLAG:
                 T = max(T, lull_budget(decode, tokens, view.column(F_QUEUED), cfg.min_balance, cfg.max_tokens))
@@ -349,6 +352,13 @@ def _decodes(view: StepView) -> int:
     if total is None:
         total = view.memo["decodes"] = sum(view.column(F_DECODE))
     return total
+
+
+def _any_blocked(view: StepView) -> bool:
+    """Some rank holds prefill it cannot start this step: queued, but its plan has only its
+    decodes (its KV cannot take the next prompt, or its sequence slots are full)."""
+    return any(q > 0 and t <= d for q, t, d in zip(view.column(F_QUEUED), view.column(F_TOKENS),
+                                                    view.column(F_DECODE)))
 
 
 def _holding(view: StepView, max_tokens: int) -> bool:

@@ -75,6 +75,11 @@ class BudgetConfig:
     # (0: always waited for)
     lull_prompts: float = 0.0
     lull_tau_s: float = 2.0
+    # >0: in a busy group, while some rank holds prefill it cannot start (its KV or sequence
+    # slots are full), the budget is at most the largest decode plus this: that rank's room
+    # frees only as its sequences finish, one token a step, so short steps bring the company
+    # the balance rule waits for sooner (0: no cap; docs/benchmarks.md, item 2)
+    blocked_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -94,6 +99,8 @@ class BudgetConfig:
             raise ValueError("grow_share and grow_share_full must be >= 0, grow_share_full >= grow_share (or 0: always)")
         if self.tail_steps < 0:
             raise ValueError("tail_steps must be >= 0")
+        if self.blocked_tokens < 0:
+            raise ValueError("blocked_tokens must be >= 0")
         if self.lull_prompts < 0 or self.lull_tau_s <= 0:
             raise ValueError("lull_prompts must be >= 0 and lull_tau_s > 0")
         if self.busy_tokens < 0 or self.busy_tau_s <= 0 or self.busy_backlog_steps <= 0 or self.busy_capped_steps < 0:
@@ -120,6 +127,7 @@ def from_settings(settings: Any) -> BudgetConfig | None:
                         lone_tau_s=settings.align_lone_window_s * k, tail_steps=settings.align_tail_steps,
                         grow_share=settings.align_grow_share, grow_share_full=settings.align_grow_share_full,
                         lull_prompts=settings.align_lull_prompts, lull_tau_s=settings.align_lull_window_s * k,
+                        blocked_tokens=settings.align_blocked_tokens,
                         step_ms=0.0)
 
 
