@@ -137,7 +137,6 @@ def test_the_fixed_workload_is_every_request_alike():
     assert (gaps >= 0).all() and 1 / 50.0 * 0.7 < gaps.mean() < 1 / 50.0 * 1.3
 
 
-
 def _blocked_cfg(blocked_tokens: int) -> BudgetConfig:
     from dataclasses import replace
     return replace(_cfg(lull_prompts=0.0), blocked_tokens=blocked_tokens)

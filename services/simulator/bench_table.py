@@ -263,7 +263,8 @@ def _other_trace(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if bad or not workloads:
         ap.error(f"--workloads: unknown {', '.join(bad) or 'none given'}; known: {', '.join(KNOWN)}")
     profiles = [a.profile] if a.profile else [None, *OTHER_PROFILES]
-    jobs = [(w, None, LOADS, RANKS, API_SERVERS, REQUESTS, POLICIES, prof, a.seed) for prof in profiles for w in workloads]
+    jobs = [(w, None, LOADS, RANKS, API_SERVERS, REQUESTS, POLICIES, prof, a.seed)
+            for prof in profiles for w in workloads]
     t0 = time.perf_counter()
     missed = judged = 0
     with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as ex:
