@@ -19,6 +19,7 @@ from typing import Any
 from services.engine_worker.batch_gate import BatchGate, batch_number
 from services.engine_worker.busy_meter import BusyMeter
 from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
+from services.engine_worker.prompt_window import PromptWindow
 from shared.rate_meter import RateMeter
 from services.engine_worker.step_view import (BUSY_FLAG, LULL_FLAG, TAIL_FLAG, F_ALIGN, F_ARRIVED, F_BUSY,
                                              F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST, F_QUEUED, F_RELEASE,
@@ -68,6 +69,8 @@ class RankStep:
         self.mean_prompt = 0.0                    # prompt tokens, a moving average of this rank's arrivals
         self.last_arrival_s = float("-inf")       # the last view in which prompts reached some rank
         self.last_view_s = float("-inf")          # the last view
+        # the last prompts' sizes: how long the long ones are (the long-prompt wait)
+        self.prompts = PromptWindow(budget.long_window) if budget is not None and budget.long_quantile > 0 else None
 
     def note_step(self, dur_ms: float) -> None:
         """The step that just ran took ``dur_ms`` (deadlines plan with it, and the waits
@@ -85,6 +88,8 @@ class RankStep:
             self.arrived_tokens += n
             m = self.mean_prompt
             self.mean_prompt = n if m <= 0 else m + MEAN_PROMPT_WEIGHT * (n - m)
+            if self.prompts is not None:
+                self.prompts.add(n)
 
     def _count_arrivals(self, view: StepView, now_s: float) -> None:
         """The prompt tokens every rank reported arriving: the group's prompt rate, the same
@@ -180,12 +185,13 @@ class RankStep:
             return min(self.budget.max_tokens, plan.decode_tokens), 0
         since = self.since_s
         now_ms = now_s * 1000.0
-        pending = [(since.get(q.id, now_s) * 1000.0, q.pending_prefill())
-                   for q in self.core.running if q.is_prefilling]
+        seqs = [q for q in self.core.running if q.is_prefilling]
+        pending = [(since.get(q.id, now_s) * 1000.0, q.pending_prefill()) for q in seqs]
         if len(pending) < 64:
             blocked = self.blocked_s
             for q in self.core.waiting:
                 if not q.held:
+                    seqs.append(q)
                     pending.append((max(since.get(q.id, now_s), blocked) * 1000.0, q.pending_prefill()))
                     if len(pending) >= 64:
                         break
@@ -211,7 +217,28 @@ class RankStep:
                 delay = min(delay, cfg.idle_wait_ms)
             if cfg.step_ms <= 0 and self.last_step_ms <= 0:   # no step measured yet: crumbs
                 delay = 0.0                                    # paced by a guess only delay it
+            if delay > 0 and not self.group_idle:
+                pending = self._long_prompt_waits(pending, seqs, delay)
         return must_tokens(plan.decode_tokens, pending, now_ms, self.last_step_ms, cfg, delay), queued
+
+    def _long_prompt_waits(self, pending: list[tuple[float, int]], seqs: list[Sequence],
+                           delay_ms: float) -> list[tuple[float, int]]:
+        """``pending`` with each prompt's deadline moved out to the long-prompt wait, where
+        that is later than ``delay_ms``: ``long_share`` of the full-rate prefill time of the
+        ``long_quantile`` of the last prompts, less the prompt's own. Its first token still
+        comes before the long prompts', so the TTFT tail stays theirs, and the longer window
+        lets more ranks' slices share steps."""
+        cfg = self.budget
+        q = self.prompts.quantile(cfg.long_quantile) if self.prompts is not None else None
+        full = self.clock.full_step_ms
+        if q is None or full <= 0:
+            return pending
+        per_token = full / cfg.max_tokens
+        wait = cfg.long_share * q * per_token
+        if wait <= delay_ms:   # log-normal prompts: the long ones fit in the wait already
+            return pending
+        return [(since + max(0.0, wait - seq.num_prompt_tokens * per_token - delay_ms), rem)
+                for (since, rem), seq in zip(pending, seqs)]
 
     def _idle_hold(self, plan: StepPlan, pending: list[tuple[float, int]], now_ms: float) -> bool:
         """No rank decoded in the last step and this rank's oldest pending prefill arrived

@@ -80,6 +80,13 @@ class BudgetConfig:
     # frees only as its sequences finish, one token a step, so short steps bring the company
     # the balance rule waits for sooner (0: no cap; docs/benchmarks.md, item 2)
     blocked_tokens: int = 0
+    # >0: a prompt may wait for company until long_share of the time the long_quantile of
+    # this rank's last long_window prompts takes to prefill at full rate, less its own: its
+    # first token still comes before theirs, so the TTFT tail stays theirs, and the longer
+    # window lets more ranks' slices share steps (heavy-tailed prompts; 0: no such wait)
+    long_quantile: float = 0.0
+    long_share: float = 0.8
+    long_window: int = 256
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -101,6 +108,8 @@ class BudgetConfig:
             raise ValueError("tail_steps must be >= 0")
         if self.blocked_tokens < 0:
             raise ValueError("blocked_tokens must be >= 0")
+        if not 0.0 <= self.long_quantile < 1.0 or self.long_share < 0 or self.long_window < 1:
+            raise ValueError("long_quantile must be in [0, 1), long_share >= 0 and long_window >= 1")
         if self.lull_prompts < 0 or self.lull_tau_s <= 0:
             raise ValueError("lull_prompts must be >= 0 and lull_tau_s > 0")
         if self.busy_tokens < 0 or self.busy_tau_s <= 0 or self.busy_backlog_steps <= 0 or self.busy_capped_steps < 0:
@@ -128,6 +137,9 @@ def from_settings(settings: Any) -> BudgetConfig | None:
                         grow_share=settings.align_grow_share, grow_share_full=settings.align_grow_share_full,
                         lull_prompts=settings.align_lull_prompts, lull_tau_s=settings.align_lull_window_s * k,
                         blocked_tokens=settings.align_blocked_tokens,
+                        long_quantile=settings.align_long_prompt_quantile,
+                        long_share=settings.align_long_prompt_share,
+                        long_window=settings.align_long_prompt_window,
                         step_ms=0.0)
 
 
