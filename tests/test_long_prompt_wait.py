@@ -111,3 +111,10 @@ def test_an_idle_group_does_not_wait_for_the_long_prompts():
 def test_long_prompt_settings_are_checked(bad):
     with pytest.raises(ValueError):
         BudgetConfig(**bad)
+
+
+def test_each_rank_reports_how_long_its_long_prompts_are():
+    from services.engine_worker.outputs import _budget_state
+    assert _budget_state(_rank(_cfg(), HEAVY))["long_prompt_tokens"] == 10240
+    assert _budget_state(_rank(_cfg(), [300] * 10))["long_prompt_tokens"] is None    # too few yet: null, not 0
+    assert _budget_state(_rank(_cfg(long_quantile=0.0), HEAVY))["long_prompt_tokens"] is None   # off

@@ -152,13 +152,15 @@ class Outputs:
 
 def _budget_state(rs: Any) -> dict[str, float | None]:
     """What coordinated prefill judges by (each rank's report on the stats stream): the
-    measured full step, its busiest-rank and shared ms per token, and the share of the
-    group's time its prefill would take alone; null until the steps allow a fit (never a
-    made-up 0)."""
+    measured full step, its busiest-rank and shared ms per token, the share of the
+    group's time its prefill would take alone, and how long its long prompts are (what a
+    shorter one may wait for); null until the steps or prompts allow one (never a made-up 0)."""
     if rs is None or rs.clock is None:
         return {}
     c = rs.clock
+    long_prompt = {"long_prompt_tokens": rs.long_prompt_tokens()}
     if c.full_step_ms <= 0:
-        return {"full_step_ms": None, "token_ms": None, "shared_token_ms": None, "lone_share": None}
+        return {"full_step_ms": None, "token_ms": None, "shared_token_ms": None, "lone_share": None, **long_prompt}
     return {"full_step_ms": round(c.full_step_ms, 2), "token_ms": round(c.token_ms, 4),
-            "shared_token_ms": round(c.shared_ms, 4), "lone_share": round(rs.lone_share(time.monotonic()), 3)}
+            "shared_token_ms": round(c.shared_ms, 4), "lone_share": round(rs.lone_share(time.monotonic()), 3),
+            **long_prompt}

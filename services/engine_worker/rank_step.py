@@ -221,6 +221,11 @@ class RankStep:
                 pending = self._long_prompt_waits(pending, seqs, delay)
         return must_tokens(plan.decode_tokens, pending, now_ms, self.last_step_ms, cfg, delay), queued
 
+    def long_prompt_tokens(self) -> int | None:
+        """How long this rank's long prompts are (the ``long_quantile`` of its last
+        ``long_window``), or None: the rule is off, or too few prompts have come."""
+        return self.prompts.quantile(self.budget.long_quantile) if self.prompts is not None else None
+
     def _long_prompt_waits(self, pending: list[tuple[float, int]], seqs: list[Sequence],
                            delay_ms: float) -> list[tuple[float, int]]:
         """``pending`` with each prompt's deadline moved out to the long-prompt wait, where
@@ -229,7 +234,7 @@ class RankStep:
         comes before the long prompts', so the TTFT tail stays theirs, and the longer window
         lets more ranks' slices share steps."""
         cfg = self.budget
-        q = self.prompts.quantile(cfg.long_quantile) if self.prompts is not None else None
+        q = self.long_prompt_tokens()
         full = self.clock.full_step_ms
         if q is None or full <= 0:
             return pending
