@@ -4,7 +4,7 @@ for company until 0.8 of the time the longest 1 % take to prefill at full rate, 
 own. The TTFT tail stays the long prompts', and the longer window lets more ranks' prefill
 share steps: heavy-tailed prompts at 32 ranks x 8 api-servers ran at 0.912 / 0.892 of
 ideal at 0.8 / 1.0x, behind TensorRT-LLM's and SGLang's gates, and run at 0.924 / 0.905,
-ahead of them (docs/benchmarks.md, "How the default decides", item 6)."""
+ahead of them (docs/benchmarks.md, "How the default decides", item 3)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The sizes of the last prompts a rank received, kept sorted for a quantile: how long the
 longest recent prompts are, which sets how long a shorter one may wait for company
-(rank_step.py, docs/benchmarks.md "How the default decides", item 6). Pure."""
+(rank_step.py, docs/benchmarks.md "How the default decides", item 3). Pure."""
 
 from __future__ import annotations
 
