@@ -22,8 +22,8 @@ from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
 from services.engine_worker.prompt_window import PromptWindow
 from shared.rate_meter import RateMeter
 from services.engine_worker.step_view import (BUSY_FLAG, LULL_FLAG, TAIL_FLAG, F_ALIGN, F_ARRIVED, F_BUSY,
-                                             F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_MUST, F_QUEUED, F_RELEASE,
-                                             F_TOKENS, Action, StepView)
+                                             F_ARRIVED_N, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_LONGEST, F_MUST,
+                                             F_QUEUED, F_RELEASE, F_TOKENS, Action, StepView)
 from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_clock import StepClock
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, lull_budget,
@@ -69,8 +69,10 @@ class RankStep:
         self.mean_prompt = 0.0                    # prompt tokens, a moving average of this rank's arrivals
         self.last_arrival_s = float("-inf")       # the last view in which prompts reached some rank
         self.last_view_s = float("-inf")          # the last view
-        # the last prompts' sizes: how long the long ones are (the long-prompt wait)
+        # the group's last prompts' sizes, from every rank's row: how long the long ones are
+        # (the long-prompt wait); and this rank's own not yet in a row the group saw
         self.prompts = PromptWindow(budget.long_window) if budget is not None and budget.long_quantile > 0 else None
+        self.unreported: list[int] = []
 
     def note_step(self, dur_ms: float) -> None:
         """The step that just ran took ``dur_ms`` (deadlines plan with it, and the waits
@@ -88,13 +90,17 @@ class RankStep:
             self.arrived_tokens += n
             m = self.mean_prompt
             self.mean_prompt = n if m <= 0 else m + MEAN_PROMPT_WEIGHT * (n - m)
-            if self.prompts is not None:
-                self.prompts.add(n)
+            self.unreported.append(n)
 
     def _count_arrivals(self, view: StepView, now_s: float) -> None:
         """The prompt tokens every rank reported arriving: the group's prompt rate, the same
         sum on every rank (one rank's own arrivals, times the ranks, was too noisy to judge by)."""
         self.arrived_tokens -= view.rows[self.rank][F_ARRIVED]   # reported: counted once
+        del self.unreported[:view.rows[self.rank][F_ARRIVED_N]]
+        if self.prompts is not None:   # every rank adds the same rows: the same window everywhere
+            for longest, rest, n in _arrivals(view):
+                self.prompts.add(longest)
+                self.prompts.add_many(rest, n - 1)
         total = view.memo.get("arrived")
         if total is None:
             total = view.memo["arrived"] = sum(view.column(F_ARRIVED))
@@ -175,7 +181,7 @@ class RankStep:
                 | (LULL_FLAG if self.in_lull(now_s) else 0))
         row = [int(core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
                release, int(stopping), plan.decode_tokens, must, int(self.budget is not None), queued, forced,
-               busy, self.arrived_tokens]
+               busy, self.arrived_tokens, max(self.unreported, default=0), len(self.unreported)]
         return plan, row
 
     def prefill_need(self, plan: StepPlan, now_s: float) -> tuple[int, int]:
@@ -217,12 +223,13 @@ class RankStep:
                 delay = min(delay, cfg.idle_wait_ms)
             if cfg.step_ms <= 0 and self.last_step_ms <= 0:   # no step measured yet: crumbs
                 delay = 0.0                                    # paced by a guess only delay it
-            if delay > 0 and not self.group_idle:
+            # (a busy group's waits are its own: they grow with the backlog)
+            if delay > 0 and not self.group_idle and not self.meter.busy:
                 pending = self._long_prompt_waits(pending, seqs, delay)
         return must_tokens(plan.decode_tokens, pending, now_ms, self.last_step_ms, cfg, delay), queued
 
     def long_prompt_tokens(self) -> int | None:
-        """How long this rank's long prompts are (the ``long_quantile`` of its last
+        """How long the group's long prompts are (the ``long_quantile`` of its last
         ``long_window``), or None: the rule is off, or too few prompts have come."""
         return self.prompts.quantile(self.budget.long_quantile) if self.prompts is not None else None
 
@@ -230,9 +237,9 @@ class RankStep:
                            delay_ms: float) -> list[tuple[float, int]]:
         """``pending`` with each prompt's deadline moved out to the long-prompt wait, where
         that is later than ``delay_ms``: ``long_share`` of the full-rate prefill time of the
-        ``long_quantile`` of the last prompts, less the prompt's own. Its first token still
-        comes before the long prompts', so the TTFT tail stays theirs, and the longer window
-        lets more ranks' slices share steps."""
+        ``long_quantile`` of the group's last prompts, less the prompt's own. Its first
+        token still comes before the long prompts', so the TTFT tail stays theirs, and the
+        longer window lets more ranks' slices share steps."""
         cfg = self.budget
         q = self.long_prompt_tokens()
         full = self.clock.full_step_ms
@@ -376,6 +383,17 @@ def _queued(view: StepView) -> int:
     if total is None:
         total = view.memo["queued"] = sum(view.column(F_QUEUED))
     return total
+
+
+def _arrivals(view: StepView) -> list[tuple[int, int, int]]:
+    """The prompts each rank reported: (the longest, the mean of the others, how many) per
+    rank that had any (once per view: a row carries the sum, the longest and the count)."""
+    got = view.memo.get("arrivals")
+    if got is None:
+        got = view.memo["arrivals"] = [
+            (row[F_LONGEST], (row[F_ARRIVED] - row[F_LONGEST]) // max(1, row[F_ARRIVED_N] - 1), row[F_ARRIVED_N])
+            for row in view.rows if row[F_ARRIVED_N] > 0]
+    return got
 
 
 def _decodes(view: StepView) -> int:

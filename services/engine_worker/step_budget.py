@@ -80,13 +80,14 @@ class BudgetConfig:
     # frees only as its sequences finish, one token a step, so short steps bring the company
     # the balance rule waits for sooner (0: no cap; docs/benchmarks.md, item 2)
     blocked_tokens: int = 0
-    # >0: a prompt may wait for company until long_share of the time the long_quantile of
-    # this rank's last long_window prompts takes to prefill at full rate, less its own: its
-    # first token still comes before theirs, so the TTFT tail stays theirs, and the longer
-    # window lets more ranks' slices share steps (heavy-tailed prompts; 0: no such wait)
+    # >0: while the group is not busy, a prompt may wait for company until long_share of
+    # the time the long_quantile of the group's last long_window prompts takes to prefill at
+    # full rate, less its own: its first token still comes before theirs, so the TTFT tail
+    # stays theirs, and the longer window lets more ranks' slices share steps (heavy-tailed
+    # prompts; 0: no such wait)
     long_quantile: float = 0.0
     long_share: float = 0.8
-    long_window: int = 256
+    long_window: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -27,7 +27,9 @@ F_BUSY = 12          # token alignment, flags (rank 0's are applied): BUSY_FLAG 
                      # rank; TAIL_FLAG it is spreading a backlog's last prefill; LULL_FLAG no prompt has
                      # reached the group for a while (rank_step.py)
 F_ARRIVED = 13       # token alignment: prompt tokens that reached this rank since its last row
-FIELDS = 14
+F_LONGEST = 14       # token alignment: the longest of those prompts (tokens)
+F_ARRIVED_N = 15     # token alignment: how many prompts those were
+FIELDS = 16
 BUSY_FLAG, TAIL_FLAG, LULL_FLAG = 1, 2, 4
 
 
