@@ -66,3 +66,57 @@ async def _resume_flow(redis_url: str, namespace: str) -> None:
 
 def test_a_resume_resubmits_and_retires_the_stale_copy(redis_url, namespace):
     asyncio.run(_resume_flow(redis_url, namespace))
+
+
+async def _gap_flow(redis_url: str, namespace: str) -> None:
+    """Deltas lost in a Redis failover (written to the old primary after its replica was
+    chosen; tests/test_sentinel.py once saw one under load): the stream jumps from position
+    2 to 5. The request resumes from the two tokens the client has instead of ending in a
+    "token stream gap" error, and the deltas past the gap are never shown."""
+    keys = K.Keys(namespace)
+    r, admin = connect(redis_url), connect(redis_url)
+    gw = Gateway(r, keys, "apitest")
+    await gw.start()
+    try:
+        ch = gw.submit(Request("g1", "apitest", [1, 2, 3], SamplingParams(max_tokens=8), time.time()))
+        await _wait_entries(admin, keys.requests, 1)
+        out = keys.out("apitest")
+        await admin.xadd(out, {FIELD: encode_deltas([Delta("g1", 0, [11, 12], rank=3)])})
+        # positions 2-4 were lost; 5 and 6 arrive, the second with the finish
+        await admin.xadd(out, {FIELD: encode_deltas([Delta("g1", 5, [16], rank=3),
+                                                      Delta("g1", 6, [17], "length", rank=3)])})
+        docs = await _wait_entries(admin, keys.requests, 2)
+        assert docs[1]["id"] == "g1" and docs[1]["g"] == [11, 12] and docs[1]["ep"] == 1
+        assert await _wait_entries(admin, keys.inbox(3), 1) == [{"k": "retire", "id": "g1", "r": 3, "ep": 0}]
+        assert ch.finish is None and ch.tokens == [11, 12]
+        # the resumed copy continues at position 2 and ends the request whole
+        await admin.xadd(out, {FIELD: encode_deltas([Delta("g1", 2, [13, 14, 15, 16, 17, 18], "length",
+                                                            rank=0, epoch=1)])})
+        await asyncio.wait_for(ch.event.wait(), 10)
+        deadline = time.monotonic() + 10
+        while ch.finish is None:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        assert ch.tokens == [11, 12, 13, 14, 15, 16, 17, 18] and ch.finish == "length" and ch.error is None
+    finally:
+        await gw.stop()
+        await r.aclose()
+        await admin.aclose()
+
+
+def test_a_gap_in_the_token_stream_resumes_the_request(redis_url, namespace):
+    asyncio.run(_gap_flow(redis_url, namespace))
+
+
+def test_a_request_that_keeps_losing_deltas_ends_in_a_clear_error():
+    from services.api_server.gateway import MAX_GAP_RESUMES, RequestChannel
+    ch = RequestChannel("x")
+    ch.req = Request("x", "a", [1], SamplingParams(max_tokens=8), 0.0)
+    for epoch in range(MAX_GAP_RESUMES):
+        ch.epoch = epoch
+        assert ch.feed(Delta("x", 3, [9], rank=0, epoch=epoch), 0.0)        # a gap: resume it
+        assert not ch.feed(Delta("x", 4, [9], rank=0, epoch=epoch), 0.0)    # past it: dropped, asked once
+        assert ch.finish is None and ch.tokens == []
+    ch.epoch = MAX_GAP_RESUMES
+    assert not ch.feed(Delta("x", 3, [9], rank=0, epoch=MAX_GAP_RESUMES), 0.0)
+    assert ch.finish == "error" and ch.error == "token stream gap"

@@ -30,13 +30,17 @@ HEARTBEAT_S = 1.0
 QUEUE_VIEW_FRESH_S = 5.0     # an older queue figure is no figure (the scheduler stopped publishing)
 FOLLOW_BACKOFF_MIN_S = 0.1   # snapshot follower: first retry after a lost connection
 FOLLOW_BACKOFF_MAX_S = 5.0   # ... doubling up to this
+# A gap in a request's token stream (deltas lost in a Redis failover: written to the old
+# primary after its replica was chosen) is mended by resuming the request from what the
+# client has; a request that keeps losing deltas ends in an error after this many
+MAX_GAP_RESUMES = 3
 
 
 class RequestChannel:
     """Tokens of one request as they arrive; ``pos`` in each delta drops duplicates."""
 
     __slots__ = ("id", "tokens", "finish", "error", "code", "prompt_tokens", "event", "rank", "first_t", "last_t",
-                 "req", "epoch", "logprobs", "prompt_lp")
+                 "req", "epoch", "logprobs", "prompt_lp", "gaps", "gap_epoch")
 
     def __init__(self, rid: str) -> None:
         self.id = rid
@@ -55,6 +59,8 @@ class RequestChannel:
         # and prompt_lp[i] for prompt position i + 1.
         self.logprobs: list | None = None
         self.prompt_lp: list | None = None
+        self.gaps = 0           # resumes asked for because deltas were lost
+        self.gap_epoch = -1     # the epoch whose stream had a gap (its later deltas are dropped)
 
     def _prompt_lp(self, entries: list, pos: int) -> None:
         have = self.prompt_lp if self.prompt_lp is not None else []
@@ -62,9 +68,11 @@ class RequestChannel:
         if pos <= len(have) + 1:           # a recompute repeats what is here: keep the first
             have.extend(entries[len(have) + 1 - pos:])
 
-    def feed(self, d: Delta, now: float) -> None:
-        if self.finish is not None or d.epoch < self.epoch:
-            return   # finished, or a late delta from the rank this request was moved away from
+    def feed(self, d: Delta, now: float) -> bool:
+        """Take one delta; True when the stream has a gap that a resume can mend (the caller
+        resumes the request from the tokens here)."""
+        if self.finish is not None or d.epoch < self.epoch or d.epoch == self.gap_epoch:
+            return False   # finished, late from a rank the request moved away from, or past a gap
         have = len(self.tokens)
         if d.pos <= have:
             new = d.tokens[have - d.pos:]
@@ -79,10 +87,15 @@ class RequestChannel:
                 if not self.first_t:
                     self.first_t = now
                 self.last_t = now
-        # A gap (pos > have) cannot happen from one rank's ordered stream; a resumed
-        # request restarts at what was streamed. Should it happen, the tokens are dropped
-        # rather than shown out of order, and the request ends with an error below.
-        elif d.finish is None:
+        # A gap (pos > have): one rank's ordered stream has none, and a resumed request
+        # restarts at what was streamed, but a Redis failover can lose the deltas written to
+        # the old primary. The tokens past it are dropped rather than shown out of order, and
+        # the request resumes from what the client has (a few times; then it ends in an error).
+        elif self.req is not None and self.gaps < MAX_GAP_RESUMES:
+            self.gaps += 1
+            self.gap_epoch = self.epoch
+            return True
+        else:
             d = Delta(d.id, d.pos, [], "error", d.prompt_tokens, d.rank, "token stream gap")
         self.rank = d.rank
         if d.finish is not None:
@@ -90,6 +103,7 @@ class RequestChannel:
             self.error = d.error
             self.prompt_tokens = d.prompt_tokens
         self.event.set()
+        return False
 
     def fail(self, message: str, code: str = "engine_error") -> None:
         if self.finish is None:
@@ -301,6 +315,7 @@ class Gateway:
                 await asyncio.sleep(0.2 + random.random() * 0.3)
                 continue
             now = time.monotonic()
+            gapped: list[str] = []
             for _, eid, doc in decode_entries(resp):
                 last = eid
                 try:
@@ -315,8 +330,10 @@ class Gateway:
                     trace.mark("api_read")
                 for d in msg.ds:
                     ch = self.channels.get(d.id)
-                    if ch is not None:
-                        ch.feed(d, now)
+                    if ch is not None and ch.feed(d, now):
+                        gapped.append(d.id)
+            if gapped:
+                self._mend_gaps(gapped)
 
     def _salvage(self, eid: bytes, doc: dict[str, Any], exc: MessageError, now: float) -> None:
         """A malformed output entry: log it, and feed what deltas in it are whole (one
@@ -330,8 +347,15 @@ class Gateway:
             except MessageError:
                 continue
             ch = self.channels.get(d.id)
-            if ch is not None:
-                ch.feed(d, now)
+            if ch is not None and ch.feed(d, now):
+                self._mend_gaps([d.id])
+
+    def _mend_gaps(self, ids: list[str]) -> None:
+        """Deltas of these requests were lost (a Redis failover): resume each from the
+        tokens the client has, as for a dead rank's."""
+        if self.log is not None:
+            self.log.warning("token_stream_gap", n=len(ids), ids=ids[:8])
+        self._resume(ids)
 
     def _resume(self, ids: Any) -> None:
         """The scheduler found these requests on a dead rank: resubmit each with the tokens
