@@ -5,6 +5,7 @@ retire its copy (it may only have stalled; services/engine_worker/ingest.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -28,12 +29,23 @@ async def _wait_entries(r, stream: str, n: int, bound_s: float = 10.0) -> list:
         await asyncio.sleep(0.02)
 
 
-async def _resume_flow(redis_url: str, namespace: str) -> None:
+@contextlib.asynccontextmanager
+async def _gateway(redis_url: str, namespace: str):
+    """A started api-server gateway "apitest", and a second connection to play the others."""
     keys = K.Keys(namespace)
     r, admin = connect(redis_url), connect(redis_url)
     gw = Gateway(r, keys, "apitest")
     await gw.start()
     try:
+        yield gw, keys, admin
+    finally:
+        await gw.stop()
+        await r.aclose()
+        await admin.aclose()
+
+
+async def _resume_flow(redis_url: str, namespace: str) -> None:
+    async with _gateway(redis_url, namespace) as (gw, keys, admin):
         ch = gw.submit(Request("q1", "apitest", [1, 2, 3], SamplingParams(max_tokens=8), time.time()))
         ch2 = gw.submit(Request("q2", "apitest", [4, 5], SamplingParams(max_tokens=8), time.time()))
         await _wait_entries(admin, keys.requests, 2)
@@ -58,10 +70,6 @@ async def _resume_flow(redis_url: str, namespace: str) -> None:
             assert time.monotonic() < deadline, ch.tokens
             await asyncio.sleep(0.02)
         assert ch2.tokens == []
-    finally:
-        await gw.stop()
-        await r.aclose()
-        await admin.aclose()
 
 
 def test_a_resume_resubmits_and_retires_the_stale_copy(redis_url, namespace):
@@ -73,11 +81,7 @@ async def _gap_flow(redis_url: str, namespace: str) -> None:
     chosen; tests/test_sentinel.py once saw one under load): the stream jumps from position
     2 to 5. The request resumes from the two tokens the client has instead of ending in a
     "token stream gap" error, and the deltas past the gap are never shown."""
-    keys = K.Keys(namespace)
-    r, admin = connect(redis_url), connect(redis_url)
-    gw = Gateway(r, keys, "apitest")
-    await gw.start()
-    try:
+    async with _gateway(redis_url, namespace) as (gw, keys, admin):
         ch = gw.submit(Request("g1", "apitest", [1, 2, 3], SamplingParams(max_tokens=8), time.time()))
         await _wait_entries(admin, keys.requests, 1)
         out = keys.out("apitest")
@@ -98,10 +102,6 @@ async def _gap_flow(redis_url: str, namespace: str) -> None:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
         assert ch.tokens == [11, 12, 13, 14, 15, 16, 17, 18] and ch.finish == "length" and ch.error is None
-    finally:
-        await gw.stop()
-        await r.aclose()
-        await admin.aclose()
 
 
 def test_a_gap_in_the_token_stream_resumes_the_request(redis_url, namespace):

@@ -60,7 +60,6 @@ class RankStep:
         self.calm = False                         # this plan: prefill pending that need not wait (lone share low)
         self.tail_on = False                      # last view: the group spread a backlog's last prefill
         self.tail_share: int | None = None        # the spread's prefill per step, set where it began
-        self.arrived_tokens = 0                   # prompt tokens arrived here, not yet in a row the group saw
         # prompt tokens/s reaching the group (every rank's F_ARRIVED, summed)
         self.prompt_rate = RateMeter(budget.lone_tau_s) if budget is not None else None
         # and over a short window, with the mean prompt and the last views that saw one arrive:
@@ -70,9 +69,14 @@ class RankStep:
         self.last_arrival_s = float("-inf")       # the last view in which prompts reached some rank
         self.last_view_s = float("-inf")          # the last view
         # the group's last prompts' sizes, from every rank's row: how long the long ones are
-        # (the long-prompt wait); and this rank's own not yet in a row the group saw
+        # (the long-prompt wait); and the prompts that arrived here, not yet in a row the group saw
         self.prompts = PromptWindow(budget.long_window) if budget is not None and budget.long_quantile > 0 else None
         self.unreported: list[int] = []
+
+    @property
+    def arrived_tokens(self) -> int:
+        """Prompt tokens arrived here, not yet in a row the group saw."""
+        return sum(self.unreported)
 
     def note_step(self, dur_ms: float) -> None:
         """The step that just ran took ``dur_ms`` (deadlines plan with it, and the waits
@@ -87,7 +91,6 @@ class RankStep:
         self.gate.on_arrival(seq)
         if self.budget is not None:
             n = seq.num_prompt_tokens
-            self.arrived_tokens += n
             m = self.mean_prompt
             self.mean_prompt = n if m <= 0 else m + MEAN_PROMPT_WEIGHT * (n - m)
             self.unreported.append(n)
@@ -95,8 +98,7 @@ class RankStep:
     def _count_arrivals(self, view: StepView, now_s: float) -> None:
         """The prompt tokens every rank reported arriving: the group's prompt rate, the same
         sum on every rank (one rank's own arrivals, times the ranks, was too noisy to judge by)."""
-        self.arrived_tokens -= view.rows[self.rank][F_ARRIVED]   # reported: counted once
-        del self.unreported[:view.rows[self.rank][F_ARRIVED_N]]
+        del self.unreported[:view.rows[self.rank][F_ARRIVED_N]]   # reported: counted once
         if self.prompts is not None:   # every rank adds the same rows: the same window everywhere
             for longest, rest, n in _arrivals(view):
                 self.prompts.add(longest)
