@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from services.admin.up import Child, LocalCluster, UpOptions
+from services.engine_worker.step_view import STEP_PROTOCOL
 from shared.keys import Keys
 from shared.redis_server import free_port
 from tests.helpers import poll_until
@@ -31,7 +32,7 @@ def test_rank_that_misses_its_first_rendezvous_retries_in_process(redis_url, nam
         # address where no store listens (a rank 0 that gave up before rank 1 came).
         r.set(k.rank_alive(0), "stale", px=60_000)
         r.hset(k.dist, mapping={"addr": "127.0.0.1", "port": free_port(), "world": 2, "token": "stale",
-                                "gen": 1, "formed": 0, "t": time.time()})
+                                "gen": 1, "formed": 0, "t": time.time(), "protocol": STEP_PROTOCOL})
         log1 = tmp_path / "rank1.log"
         timeouts = {"LOCKSTEP_COLLECTIVE_TIMEOUT_S": "2", "LOCKSTEP_REFORM_TIMEOUT_S": "60"}
         procs.append(_engine(redis_url, namespace, log1, LOCKSTEP_RANK="1", **timeouts))

@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable
 
 from services.engine_worker.lockstep import GroupBroken, LockstepGroup
+from services.engine_worker.step_view import STEP_PROTOCOL
 from shared import keys as K
 from shared import lease
 from shared.bus import connect_sync, ensure_group
@@ -38,6 +39,12 @@ class ClaimFailed(RuntimeError):
 class GroupLost(RuntimeError):
     """This rank could not rejoin its engine group within ``reform_timeout_s``: the
     process exits non-zero and its supervisor replaces it."""
+
+
+class VersionMismatch(RuntimeError):
+    """Rank 0 runs another step protocol (another lockstep version): the rows would not
+    line up, so this rank refuses to join and the process exits with code 7. Retrying
+    cannot help: the group must run one version."""
 
 
 class GroupMembership:
@@ -181,7 +188,8 @@ class GroupMembership:
         ttl = self.s.heartbeat_ms * 3
         alive_key, info_key = self.keys.rank_alive(self.rank), self.keys.rank_info(self.rank)
         identity = {"pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend, "token": self.token,
-                    "step_tokens": self.s.max_num_batched_tokens, "max_seqs": self.s.max_num_seqs}
+                    "step_tokens": self.s.max_num_batched_tokens, "max_seqs": self.s.max_num_seqs,
+                    "protocol": STEP_PROTOCOL}
         client = connect_sync(self.s.redis_url, timeout_s=max(0.5, self.s.heartbeat_ms / 1000),
                               connect_timeout_s=max(0.5, self.s.heartbeat_ms / 1000))
         log = self.log
@@ -255,7 +263,8 @@ class GroupMembership:
         await self.r.hset(self.keys.rank_info(self.rank), mapping={
             "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend,
             "started": time.time(), "token": self.token, "consumer": consumer,
-            "step_tokens": self.s.max_num_batched_tokens, "max_seqs": self.s.max_num_seqs})
+            "step_tokens": self.s.max_num_batched_tokens, "max_seqs": self.s.max_num_seqs,
+            "protocol": STEP_PROTOCOL})
         return inbox_last, wave_last
 
     async def _rendezvous(self) -> tuple[str, int]:
@@ -269,7 +278,7 @@ class GroupMembership:
             port = free_port()
             await self.r.hset(self.keys.dist, mapping={
                 "addr": self.s.group_host, "port": port, "world": self.s.ranks, "token": self.token, "t": time.time(),
-                "gen": self.gen, "formed": 0})
+                "gen": self.gen, "formed": 0, "protocol": STEP_PROTOCOL})
             return self.s.group_host, port
         deadline = time.monotonic() + max(self.s.collective_timeout_s, 60.0)
         while time.monotonic() < deadline and not self.stopping.is_set():
@@ -277,10 +286,21 @@ class GroupMembership:
             d = await self.r.hgetall(self.keys.dist)
             rank0 = await self.r.get(self.keys.rank_alive(0))
             if d and rank0 and d.get(b"token") == rank0 and int(d.get(b"gen", 0)) > self.gen:
+                self._check_protocol(d.get(b"protocol"))
                 self.gen = int(d[b"gen"])
                 return d[b"addr"].decode(), int(d[b"port"])
             await asyncio.sleep(0.05)
         raise TimeoutError("rank 0 did not publish the rendezvous address in time")
+
+    def _check_protocol(self, published: bytes | None) -> None:
+        if published is not None and published.decode() == str(STEP_PROTOCOL):
+            return
+        theirs = f"step protocol {published.decode()}" if published is not None else \
+            "a lockstep version without a step protocol (an older one)"
+        raise VersionMismatch(
+            f"rank 0 runs {theirs}, this rank step protocol {STEP_PROTOCOL}: the ranks of a group exchange "
+            f"fixed-width step rows, so every rank must run the same lockstep version. Stop the whole "
+            f"group and start every rank on one version (docs/operations.md, 'One version per group').")
 
     async def form_group(self) -> None:
         addr, port = await self._rendezvous()
@@ -355,17 +375,40 @@ class GroupMembership:
                 await self.form_group()
                 self.reforms += 1
                 return True
+            except VersionMismatch:
+                raise
             except Exception as exc:  # noqa: BLE001 - retry the rendezvous until the group is whole
-                self.log.warning("engine_group_retry", error=str(exc)[:200])
+                odd = await self._other_versions()
+                self.log.warning("engine_group_retry", error=str(exc)[:200], **({"other_versions": odd} if odd else {}))
                 await self._leave_group()
                 if time.monotonic() >= deadline:
                     raise GroupLost(f"the engine group did not re-form within {self.s.reform_timeout_s:g}s "
-                                    f"(last error: {str(exc)[:160]})") from None
+                                    f"(last error: {str(exc)[:160]})"
+                                    + (f"; {odd}: run every rank on one lockstep version" if odd else "")) from None
                 try:
                     await asyncio.wait_for(self.stopping.wait(), 0.5)
                 except asyncio.TimeoutError:
                     pass
         return False
+
+    async def _other_versions(self) -> str:
+        """Rank 0 after a failed formation: the live ranks whose record shows another step
+        protocol. A rank that checks refuses rank 0's rendezvous itself (_check_protocol);
+        one from before the check joins, and its rows break the collective instead."""
+        if self.rank != 0 or self.s.ranks == 1:
+            return ""
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for rank in range(1, self.s.ranks):
+                pipe.get(self.keys.rank_alive(rank))
+                pipe.hget(self.keys.rank_info(rank), "protocol")
+            got = await pipe.execute()
+        except Exception:  # noqa: BLE001 - a hint for the log, never a reason to fail
+            return ""
+        odd = [f"rank {rank} runs step protocol {(proto or b'none').decode()}"
+               for rank, alive, proto in zip(range(1, self.s.ranks), got[::2], got[1::2])
+               if alive is not None and proto != str(STEP_PROTOCOL).encode()]
+        return f"{', '.join(odd)} (this rank {STEP_PROTOCOL})" if odd else ""
 
     async def _leave_group(self) -> None:
         old, self.group = self.group, None

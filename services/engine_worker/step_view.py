@@ -30,6 +30,10 @@ F_ARRIVED = 13       # token alignment: prompt tokens that reached this rank sin
 F_LONGEST = 14       # token alignment: the longest of those prompts (tokens)
 F_ARRIVED_N = 15     # token alignment: how many prompts those were
 FIELDS = 16
+# The rows' layout and meaning, as one number: rank 0 publishes it at the rendezvous and a
+# rank that reads another refuses to join (membership.py). Bump it with any change to the
+# columns above or to what a rank decides from them.
+STEP_PROTOCOL = 1
 BUSY_FLAG, TAIL_FLAG, LULL_FLAG = 1, 2, 4
 
 

@@ -31,7 +31,7 @@ from services.engine_worker.hand_over import HandOver
 from services.engine_worker.inbox_reader import STOPPING_REDIS_GRACE_S, InboxReader
 from services.engine_worker.ingest import ingest
 from services.engine_worker.lockstep import Action, GroupBroken, StepView
-from services.engine_worker.membership import ClaimFailed, GroupLost, GroupMembership
+from services.engine_worker.membership import ClaimFailed, GroupLost, GroupMembership, VersionMismatch
 from services.engine_worker.outputs import Outputs
 from services.engine_worker.pause import Pause
 from services.engine_worker.rank_state import RankState
@@ -108,6 +108,8 @@ class EngineWorker:
             await self.member.announce_replacement()
             try:
                 await self.member.form_group()
+            except VersionMismatch:
+                raise
             except Exception as exc:  # noqa: BLE001 - as in reform: c10d's store errors, a rendezvous timeout
                 # Missed the rendezvous (a slow start: rank 0 gave up waiting and meets
                 # again under a new generation). Retry here, bounded, like a re-formation:
@@ -143,6 +145,9 @@ class EngineWorker:
                                grace_s=STOPPING_REDIS_GRACE_S)
                 return 6
             return 0
+        except VersionMismatch as exc:      # at the first formation or a re-formation
+            self.log.error("engine_version_mismatch", error=str(exc))
+            return 7
         finally:
             watcher.cancel()
             await asyncio.to_thread(liveness)   # its last beat lands before the alive key is dropped
