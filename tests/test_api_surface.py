@@ -42,7 +42,7 @@ def test_models_retrieve(client):
         client.models.retrieve("no-such-model")
     body = err.value.response.json()["error"]
     assert body["code"] == "model_not_found" and "no-such-model" in body["message"]
-    assert body["type"] == "not_found_error"
+    assert body["type"] == "invalid_request_error"   # OpenAI's, with the 404 and the code
 
 
 def test_a_wrong_method_is_a_405_that_says_which_methods_it_takes(root):

@@ -1,6 +1,7 @@
 """Issue #15: tools in chat: tool_choice none / required / a named function (constrained to
-the function's parameter schema by structured output), "auto" refused as vLLM does without
-a tool parser, tool messages and content null in the history. Official openai SDK against
+the function's parameter schema by structured output), "auto" (the default: free text,
+read as calls when it is an array of calls of the given tools), a forced call cut by
+max_tokens returned as far as it got, tool messages and content null in the history. Official openai SDK against
 a live `--backend sim` cluster; unit tests of the pure parts first."""
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from services.api_server.bodies import ChatBody
 from services.api_server.decode import decode
 from services.api_server.errors import ApiError
 from services.api_server.protocol import parse
-from services.api_server.tools import ToolCall, message
+from services.api_server.choice import StreamChoice
+from services.api_server.gateway import RequestChannel
+from services.api_server.tools import ToolCall, may_be_calls, message
 from services.api_server.tools import parse_tools as _parse_tools
 
 MODEL = "lockstep-moe"
@@ -50,14 +53,19 @@ def test_tool_choice_modes():
     assert p.prompt_text.startswith("<|tools|>\n") and "get_weather" in p.prompt_text
     _, one = parse_tools({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False})
     assert json.loads(one.guide[1])["maxItems"] == 1 and "maxItems" not in schema
+    # "auto", also when tool_choice is left out (OpenAI's default: LangChain's bind_tools
+    # and the Agents SDK send no tool_choice): free text, and no constraint on it
+    for body in ({"tools": [WEATHER, TIME]}, {"tools": [WEATHER, TIME], "tool_choice": "auto"}):
+        _, tc = parse_tools(body)
+        assert tc.mode == "auto" and tc.guide is None and tc.names == ("get_weather", "get_time")
+        p = _chat(body)
+        assert p.params.guide is None and p.tool_call.mode == "auto" and "get_time" in p.prompt_text
 
 
 BAD = {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"tools": [WEATHER]}, "tool_choice"),                                  # auto by default: no parser
-    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": "auto"}, "tool_choice"),                                # no tools: OpenAI's 400, not a 200
     ({"tools": [], "tool_choice": "auto"}, "tool_choice"),
@@ -109,8 +117,73 @@ def test_message_of_an_output():
     # an integer past 64 bits stays exact (orjson read it as a float: 4.189e+19, not an integer)
     msg, _ = message(req, '[{"name": "f", "parameters": {"a": 41893536235608710000, "b": "é"}}]', "stop")
     assert msg["tool_calls"][0]["function"]["arguments"] == '{"a": 41893536235608710000, "b": "é"}'
-    assert message(req, '[{"name": "get_ti', "length") == ({"role": "assistant", "content": '[{"name": "get_ti'},
-                                                           "length")
+
+
+def test_a_forced_call_cut_by_max_tokens_is_returned_as_far_as_it_got():
+    # (it came back as the internal array in content: '[{"name": "get_weather", "parameters": {"city": "…')
+    req = ToolCall("required", ["json", "[]"], names=("get_weather", "get_time"))
+    msg, finish = message(req, '[{"name": "get_time", "parameters": {"tz": "CET"}}, {"name": "get_weather", '
+                               '"parameters": {"city": "Par', "length")
+    assert finish == "length" and msg["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+        ("get_time", '{"tz": "CET"}'), ("get_weather", '{"city": "Par')]
+    msg, _ = message(req, '[{"name": "get_time", "parameters": {"tz": "CET"}}, {"na', "length")
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_time"]          # no name yet: left out
+    msg, _ = message(req, '[{"name": "get_w', "length")                                # the one tool it begins
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [("get_weather", "")]
+    assert message(req, '[{"name": "get_', "length") == ({"role": "assistant", "content": None}, "length")
+    assert message(req, '[{"', "length") == ({"role": "assistant", "content": None}, "length")
+    msg, finish = message(ToolCall("named", ["json", "{}"], "get_weather"), '{"city": "Pa', "length")
+    assert finish == "length" and msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+
+
+def test_auto_reads_an_array_of_calls_of_the_given_tools_and_anything_else_as_text():
+    auto = ToolCall("auto", None, names=("get_weather", "get_time"))
+    out = ' [{"name": "get_time", "parameters": {"tz": "UTC"}}]'
+    msg, finish = message(auto, out, "stop")
+    assert finish == "tool_calls" and msg["content"] is None
+    assert msg["tool_calls"][0]["function"] == {"name": "get_time", "arguments": '{"tz": "UTC"}'}
+    for text in ("It is sunny.", "[1, 2]", "[]", '[{"name": "rm_rf", "parameters": {}}]',
+                 '[{"name": "get_time", "parameters": {}, "extra": 1}]', '{"name": "get_time", "parameters": {}}'):
+        assert message(auto, text, "stop") == ({"role": "assistant", "content": text}, "stop"), text
+    assert message(auto, out[:20], "length") == ({"role": "assistant", "content": out[:20]}, "length")
+    assert may_be_calls("") and may_be_calls(" \n[{") and not may_be_calls(" It")
+
+
+def _stream(tool_call: ToolCall, text: str, finish: str = "stop") -> list[dict]:
+    """Every entry a streamed choice sends for ``text`` arriving a byte at a time."""
+    p = _chat({"tools": [WEATHER, TIME]})
+    p.tool_call = tool_call
+    ch = RequestChannel("r")
+    st = StreamChoice(p, ch, 0, [], "")
+    out: list[dict] = []
+    data = text.encode()
+    for i, b in enumerate(data):
+        ch.tokens.append(b)
+        if i == len(data) - 1:
+            ch.finish = finish
+        out += st.poll()
+    return out
+
+
+def test_auto_streams_text_at_once_and_holds_only_what_may_be_calls():
+    auto = ToolCall("auto", None, names=("get_weather", "get_time"))
+    entries = _stream(auto, "  Sunny.")
+    deltas = [e["delta"] for e in entries]
+    assert deltas[0] == {"role": "assistant"}
+    # the two held spaces go out with the first letter; then a delta per byte, not one at the end
+    assert [d.get("content") for d in deltas[1:-1]] == ["  S", "u", "n", "n", "y", "."]
+    assert entries[-1]["finish_reason"] == "stop"
+    call = '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}]'
+    entries = _stream(auto, call)
+    calls = [c for e in entries for c in e["delta"].get("tool_calls", ())]
+    assert not any(e["delta"].get("content") for e in entries)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "Paris", "days": 2}')]
+    assert entries[-1]["finish_reason"] == "tool_calls"
+    entries = _stream(auto, "[1, 2] is a list")          # held while it might be calls, then text whole
+    assert "".join(e["delta"].get("content") or "" for e in entries) == "[1, 2] is a list"
+    assert entries[-1]["finish_reason"] == "stop"
 
 
 def test_a_required_calls_arguments_are_the_text_the_model_wrote():
@@ -174,9 +247,18 @@ def test_tools_live_sim(sim_cluster):
 
     c = openai.OpenAI(base_url=sim_cluster.api_url, api_key="unused", max_retries=0, timeout=60)
     exercise_tools(c)
-    with pytest.raises(openai.BadRequestError) as err:
-        c.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], max_tokens=5)
-    assert err.value.response.json()["error"]["param"] == "tool_choice"
+    # "auto" by default (it was a 400): the byte model writes text here, streamed or not alike
+    r = c.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], max_tokens=40, seed=7)
+    ch = r.choices[0]
+    assert ch.finish_reason in ("stop", "length") and ch.message.tool_calls is None and ch.message.content
+    streamed = "".join(x.delta.content or "" for ck in c.chat.completions.create(
+        model=MODEL, messages=MSGS, tools=[WEATHER], max_tokens=40, seed=7, stream=True) for x in ck.choices)
+    assert streamed == ch.message.content
+    # a forced call cut by max_tokens is a call as far as it got, never the internal array as text
+    r = c.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER], tool_choice="required", max_tokens=12)
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and ch.message.content is None, ch.message
+    assert [t.function.name for t in ch.message.tool_calls] == ["get_weather"]
     history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris","days":1}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"}]

@@ -276,7 +276,8 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         check_auth(request)
         if model_id != settings.model:
             raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{settings.model}'",
-                           param="model", code="model_not_found")
+                           param="model", code="model_not_found",
+                           error_type="invalid_request_error")   # OpenAI's type for it
         return _json(model_card())
 
     @app.api_route("/ping", methods=["GET", "POST"])

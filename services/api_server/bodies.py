@@ -145,7 +145,7 @@ class GenerationBody(Struct, kw_only=True):
     """The fields both generation routes take."""
     model: str
     temperature: _num(0.0, 2.0) = None
-    top_p: _num(hi=1.0, gt=0.0) = None
+    top_p: _num(0.0, 1.0) = None          # 0: the most likely token only (OpenAI accepts 0)
     seed: _int(-2**63, 2**63 - 1) = None
     stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool | None = None

@@ -94,7 +94,9 @@ class StreamChoice:
         self.sent = 0
         self.done = False
         self.started = False     # chat's role delta / completion's echo sent
-        self.tool_text = [] if p.tool_call is not None else None   # a tool call is parsed and sent whole at the end
+        # a tool call is parsed and sent whole at the end ("auto": only while the output may be one)
+        self.tool_text: list[str] | None = [] if p.tool_call is not None else None
+        self.held_lp: list[dict[str, Any]] = []   # chat logprobs of the held text
 
     def _entry(self, text: str | None, finish: str | None, lp: Any = None, role: bool = False) -> dict[str, Any]:
         if self.p.kind == "chat":
@@ -131,13 +133,20 @@ class StreamChoice:
                 lp = chat_logprobs(new, lps, p.logprobs, self.names) if p.kind == "chat" else self.cl.part(new, lps)
             if self.tool_text is not None:
                 self.tool_text.append(text)
+                if lp is not None:
+                    self.held_lp += lp["content"]
+                if p.tool_call.mode == "auto" and not tools.may_be_calls("".join(self.tool_text)):
+                    # the model chose text: what was held goes out now, and the rest as it comes
+                    text, self.tool_text = "".join(self.tool_text), None
+                    out.append(self._entry(text, None, lp={"content": self.held_lp} if self.want_lp else None))
             elif text or lp is not None:
                 out.append(self._entry(text, None, lp=lp))
         if ch.finish is not None and self.sent >= len(ch.tokens) and ch.finish not in ("error", "abort"):
             tail = self.stopper.feed(self.dec.flush()) + self.stopper.finish()
             finish = "stop" if self.stopper.stopped else ch.finish
             if self.tool_text is not None:
-                entry, finish = tool_delta(p, "".join(self.tool_text) + tail, finish, self.index)
+                entry, finish = tool_delta(p, "".join(self.tool_text) + tail, finish, self.index,
+                                           {"content": self.held_lp} if self.want_lp else None)
                 out.append(entry)
             elif tail:
                 out.append(self._entry(tail, None))
@@ -146,11 +155,13 @@ class StreamChoice:
         return out
 
 
-def tool_delta(p: ParsedRequest, text: str, finish: str, index: int) -> tuple[dict[str, Any], str]:
-    """A streamed tool-call choice's one delta (all its calls, or the text when it does
-    not parse) and its finish_reason."""
+def tool_delta(p: ParsedRequest, text: str, finish: str, index: int,
+               lp: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+    """A streamed tool-call choice's one delta (all its calls, or the text, with its
+    logprobs ``lp``, when it does not parse) and its finish_reason."""
     msg, finish = tools.message(p.tool_call, text, finish)
     delta: dict[str, Any] = {"content": msg["content"]} if msg["content"] is not None else {}
     if "tool_calls" in msg:
         delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(msg["tool_calls"])]
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}, finish
+    return {"index": index, "delta": delta, "logprobs": None if "tool_calls" in msg else lp,
+            "finish_reason": None}, finish

@@ -12,12 +12,13 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, error_type: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.error_type = error_type or _TYPES.get(status, "invalid_request_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
+        return {"error": {"message": self.message, "type": self.error_type,
                           "param": self.param, "code": self.code}}
 
     def response(self) -> Response:

@@ -232,7 +232,8 @@ def _messages(msgs: list[ChatMessage], calls_as_text: bool = False) -> list[dict
 def _check_model(model: str | None, served_model: str) -> None:
     if model is not None and model != served_model:
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{served_model}'",
-                       param="model", code="model_not_found")
+                       param="model", code="model_not_found",
+                       error_type="invalid_request_error")   # OpenAI's type for it
 
 
 def _rank(b: GenerationBody, header: str | None, num_ranks: int) -> int | None:
@@ -327,7 +328,7 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
         raise ApiError(400, f"'min_tokens' ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})",
                        param="min_tokens")
     g = guide(b)
-    if tool_call is not None:
+    if tool_call is not None and tool_call.guide is not None:   # a forced call ("auto" writes freely)
         if g is not None:
             raise ApiError(400, f"'{g[0]}' cannot be combined with tool_choice {_show(b.tool_choice)}", param=g[0])
         g = ("tool_choice", tool_call.guide)

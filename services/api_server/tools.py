@@ -1,13 +1,15 @@
-"""Tool calling in /v1/chat/completions, as vLLM serves it without a tool parser. Pure.
+"""Tool calling in /v1/chat/completions. Pure.
 
 ``tool_choice``: ``"none"`` generates text (the tools are still shown to the model in the
 prompt); a named function constrains the output to that function's ``parameters`` schema
 and returns it as the call's arguments; ``"required"`` constrains it to a JSON array of
 ``{"name", "parameters"}`` calls of the given tools (vLLM's shape) and returns those calls;
-``"auto"`` (the default when ``tools`` are given) needs a tool parser, which this server
-does not have: a 400, as vLLM answers without ``--enable-auto-tool-choice``. The
-constraint is structured output (shared/grammar.py), so the calls parse whatever the
-weights.
+``"auto"`` (the default when ``tools`` are given, as OpenAI's) lets the model choose: the
+output is unconstrained, and it is returned as tool calls when it is such an array of
+calls of the given tools, as text otherwise (vLLM's JSON tool parsers decide the same
+way). The constraint is structured output (shared/grammar.py), so a forced call parses
+whatever the weights; one cut by max_tokens comes back as far as it got, with
+finish_reason "length", as OpenAI returns a truncated call.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 @dataclass(slots=True)
 class ToolCall:
-    mode: str                      # "named" | "required"
-    guide: list[str]               # [kind, text] for SamplingParams.guide
+    mode: str                      # "named" | "required" | "auto"
+    guide: list[str] | None        # [kind, text] for SamplingParams.guide (None: "auto" is free text)
     name: str | None = None        # the named function
+    names: tuple[str, ...] = ()    # "auto", "required": the tools an output may call
 
 
 def _dumps(v: Any) -> str:
@@ -54,9 +57,7 @@ def parse_tools(body: ChatBody) -> tuple[list[dict[str, Any]], ToolCall | None]:
     if not tools:   # OpenAI's rule too: any choice but "none" names a tool that is not there
         raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
     if choice == "auto":
-        raise ApiError(400, "\"auto\" tool choice needs a tool call parser, which this server does not have (as "
-                       "vLLM without --enable-auto-tool-choice); send tool_choice \"required\", a named function "
-                       "or \"none\"", param="tool_choice")
+        return tools, ToolCall("auto", None, names=tuple(t["name"] for t in tools))
     if choice == "required":
         for i, t in enumerate(tools):
             _check_schema(i, t)
@@ -66,7 +67,7 @@ def parse_tools(body: ChatBody) -> tuple[list[dict[str, Any]], ToolCall | None]:
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if body.parallel_tool_calls is False:
             schema["maxItems"] = 1        # one call only (vLLM's reading of it)
-        return tools, ToolCall("required", ["json", _dumps(schema)])
+        return tools, ToolCall("required", ["json", _dumps(schema)], names=tuple(t["name"] for t in tools))
     assert isinstance(choice, NamedToolChoice)   # the Struct allows nothing else
     name = choice.function.name
     match = next((t for t in tools if t["name"] == name), None)
@@ -138,17 +139,21 @@ def _raw_members(text: str, i: int) -> tuple[dict[str, str], int]:
 
 
 def calls_of(tc: ToolCall, text: str) -> list[dict[str, Any]] | None:
-    """The tool calls in a finished output (None when it does not parse: cut by max_tokens).
-    Each call's arguments are its ``parameters`` as the model wrote them: parsed and dumped
-    again, ``1e999`` came back as ``Infinity``, which is not JSON, and ``1.10`` as ``1.1``."""
+    """The tool calls in a finished output (None when it does not parse: cut by max_tokens,
+    or for "auto" text that is not an array of calls of the given tools). Each call's
+    arguments are its ``parameters`` as the model wrote them: parsed and dumped again,
+    ``1e999`` came back as ``Infinity``, which is not JSON, and ``1.10`` as ``1.1``."""
     try:
         doc = json.loads(text)
         if tc.mode == "named":
             return [_call(tc.name or "", text)]
         if not isinstance(doc, list):
             return None
+        if tc.mode == "auto" and not (doc and all(
+                isinstance(c, dict) and c.keys() == {"name", "parameters"} and c["name"] in tc.names for c in doc)):
+            return None   # text the model chose to write, even where it looks like JSON
         calls = []
-        i = _skip(text, 1)   # after the array's "["
+        i = _skip(text, _skip(text, 0) + 1)   # after the array's "["
         for c in doc:
             if isinstance(c, dict):
                 raw, i = _raw_members(text, i)
@@ -162,11 +167,91 @@ def calls_of(tc: ToolCall, text: str) -> list[dict[str, Any]] | None:
         return None
 
 
+def cut_calls(tc: ToolCall, text: str) -> list[dict[str, Any]]:
+    """The calls of a forced output that max_tokens cut: the whole ones, then the cut one
+    with its arguments as far as the model wrote them (OpenAI returns a truncated call the
+    same way). A name cut short is the one tool it begins, or the call is left out."""
+    if tc.mode == "named":
+        return [_call(tc.name or "", text)]
+    calls: list[dict[str, Any]] = []
+    i = _skip(text, 0)
+    if text[i:i + 1] != "[":
+        return calls
+    i = _skip(text, i + 1)
+    while text[i:i + 1] == "{":
+        try:
+            raw, i = _raw_members(text, i)
+        except (ValueError, IndexError):
+            cut = _cut_call(text, i, tc.names)
+            if cut is not None:
+                calls.append(_call(*cut))
+            return calls
+        name = _string(raw.get("name"))
+        if name is not None and "parameters" in raw:
+            calls.append(_call(name, raw["parameters"]))
+        i = _skip(text, i)
+        if text[i:i + 1] != ",":
+            return calls
+        i = _skip(text, i + 1)
+    return calls
+
+
+def _string(raw: str | None) -> str | None:
+    try:
+        v = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return v if isinstance(v, str) else None
+
+
+def _cut_call(text: str, i: int, names: tuple[str, ...]) -> tuple[str, str] | None:
+    """(name, the parameters' text up to the cut) of the object cut at ``text[i:]``."""
+    name: str | None = None
+    i = _skip(text, i + 1)
+    while i < len(text):
+        try:
+            key, i = _DECODER.raw_decode(text, i)
+        except ValueError:
+            break
+        i = _skip(text, i)
+        if text[i:i + 1] != ":":
+            break
+        start = _skip(text, i + 1)
+        if key == "parameters":
+            return (name, text[start:]) if name is not None else None
+        try:
+            value, i = _DECODER.raw_decode(text, start)
+        except ValueError:
+            if key == "name" and text[start:start + 1] == '"':     # the name itself was cut
+                begun = [n for n in names if n.startswith(text[start + 1:])]
+                name = begun[0] if len(begun) == 1 else None
+            break
+        if key == "name" and isinstance(value, str):
+            name = value
+        i = _skip(text, _skip(text, i) + 1)   # past the ","
+    return (name, "") if name is not None else None
+
+
 def message(tc: ToolCall, text: str, finish: str) -> tuple[dict[str, Any], str]:
     """(the assistant message, finish_reason) of a tool-call output: content null with the
-    calls ("tool_calls" for required, "stop" for a named function, as vLLM); the text as
-    content when it does not parse."""
-    calls = calls_of(tc, text) if finish == "stop" else None
-    if calls is None:
-        return {"role": "assistant", "content": text}, finish
-    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls" if tc.mode == "required" else "stop"
+    calls ("tool_calls" for required and auto, "stop" for a named function, as vLLM); a
+    forced output cut by max_tokens keeps its calls as far as they got ("length", content
+    null); the text as content when it does not parse."""
+    if finish == "stop":
+        calls = calls_of(tc, text)
+        if calls is not None:
+            return {"role": "assistant", "content": None, "tool_calls": calls}, \
+                "stop" if tc.mode == "named" else "tool_calls"
+    elif finish == "length" and tc.mode != "auto":
+        # never the constrained text itself: it is this server's format, not an answer
+        calls = cut_calls(tc, text)
+        return ({"role": "assistant", "content": None, "tool_calls": calls} if calls else
+                {"role": "assistant", "content": None}), finish
+    return {"role": "assistant", "content": text}, finish
+
+
+def may_be_calls(text: str) -> bool:
+    """"auto", streamed: could an output beginning with ``text`` still be tool calls? Only
+    such a beginning is held back until the end; any other streams as text at once."""
+    head = text.lstrip(_WS)
+    return not head or head[0] == "["
