@@ -70,6 +70,17 @@ def test_bodies_that_are_not_objects_or_not_json():
         assert err.message.startswith("invalid JSON body: ") and err.param is None
 
 
+def test_a_lone_surrogate_escape_is_named_as_such():
+    # (on /v1/completions the decoder said "Input data was truncated")
+    for kind in ("completion", "chat"):
+        for text in (rb"hi \ud800", rb"\ude00 then a pair \ud83d\ude00"):
+            raw = (b'{"model": "m", "prompt": "' + text + b'"}' if kind == "completion" else
+                   b'{"model": "m", "messages": [{"role": "user", "content": "' + text + b'"}]}')
+            assert "lone UTF-16 surrogate" in _err(raw, kind).message, (kind, text)
+    # a whole pair is text; a body broken otherwise is not blamed on it
+    assert "lone" not in _err(b'{"model": "m", "prompt": "\\ud83d\\ude00"').message
+
+
 def test_integers_past_64_bits_are_a_clear_error_not_a_crash():
     """msgspec decodes them where orjson would not re-encode them (a 500 before the fix)."""
     big = 10**30

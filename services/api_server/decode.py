@@ -33,6 +33,8 @@ HINTS = {
 # Lists of objects whose errors name the element (and, for messages, its field), as in
 # "messages[2].content"; every other error names the top-level field.
 _DEEP = {"messages": 2, "tools": 1}
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")          # an escaped UTF-16 surrogate
+_PAIR = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}")   # a whole pair of them
 _AT = re.compile(r"^(.*) - at `\$(.*)`$")
 _STEP = re.compile(r"\.(\w+)|\[(\d+|\.\.\.)\]")
 _WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean", "array": "a list",
@@ -59,7 +61,13 @@ def decode(raw: bytes | Any, typ: type[T]) -> tuple[T, tuple[str, ...]]:
     except msgspec.ValidationError as exc:
         raise _api_error(str(exc), raw, typ) from None
     except (msgspec.DecodeError, orjson.JSONDecodeError) as exc:
-        raise ApiError(400, f"invalid JSON body: {exc}") from None
+        why = str(exc)
+        if isinstance(raw, (bytes, bytearray, memoryview, str)) and _SURROGATE.search(
+                _PAIR.sub(b"", raw.encode() if isinstance(raw, str) else bytes(raw))):
+            # the decoders' own words for it ("Input data was truncated") mislead
+            why = ("a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), which is "
+                   "not text; send the character itself or its whole surrogate pair")
+        raise ApiError(400, f"invalid JSON body: {why}") from None
 
 
 def _unknown_at_top(msg: str) -> bool:
