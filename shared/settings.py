@@ -156,7 +156,7 @@ class ApiServerSettings(Settings):
     port: int = Field(8000, description="Port; every replica binds it with SO_REUSEPORT.")
     model: str = Field("lockstep-moe", description="Model name served at /v1/models, or a checkpoint directory (Hugging Face layout): its tokenizer and chat template are used and it is served under the directory's name.")
     max_model_len: int = Field(4096, ge=1, description="Prompt + output tokens per request.")
-    max_body_bytes: int = Field(1 << 20, ge=1, description="Largest request body accepted (413 above).")
+    max_body_bytes: int = Field(0, ge=0, description="Largest request body accepted (413 above); 0 = max(1 MiB, 32 bytes x max_model_len), so that a whole context fits sent as token ids or as escaped text.")
     max_inflight: int = Field(4096, ge=1, description="Requests in flight per replica before 429.")
     max_queue_wait_s: float = Field(60.0, ge=0, description="429 (with Retry-After) while a new request would wait longer than this in the scheduler's queue (its estimate: the requests ahead over the rate the ranks take them): above capacity TTFT stays near this bound instead of growing with the queue (0 = off; docs/operations.md, Overload).")
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a request may wait for its tokens.")
@@ -169,6 +169,12 @@ class ApiServerSettings(Settings):
     dispatch: str = Field("scheduler", description="'scheduler' or 'client' (the replica picks ranks itself).")
     policy: str = Field("waterfill", description="Dispatch policy in client-dispatch mode (waterfill, round_robin, least_score, least_tokens; staggered needs dispatch 'scheduler': refused at start). waterfill places at once here: holding needs the one scheduler.")
     num_api_servers: int = Field(1, description="Replicas in the cluster (scales the local bump in client mode).")
+
+    @property
+    def body_limit(self) -> int:
+        """max_body_bytes, or what 0 means: a long-context checkpoint's prompt as token ids
+        (up to 8 bytes each in JSON) or as \\u-escaped text fits with room to spare."""
+        return self.max_body_bytes or max(1 << 20, 32 * self.max_model_len)
 
     @field_validator("api_keys", "allowed_origins", mode="before")
     @classmethod

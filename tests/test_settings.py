@@ -142,3 +142,17 @@ def test_settings_no_service_can_run_with_are_refused_up_front(cls, env, says):
 def test_a_kv_cache_that_holds_one_whole_request_is_accepted():
     assert EngineSettings(num_kv_blocks=256, block_size=16, max_model_len=4096).num_kv_blocks == 256
     assert EngineSettings(namespace="team-a/prod:1").namespace == "team-a/prod:1"
+
+
+def test_the_body_limit_follows_the_context_length():
+    # A fixed 1 MiB refused a long-context checkpoint's whole prompt: 200k CJK characters
+    # (about 130k tokens) are 1.2 MB as the openai client sends them (json.dumps: \\u-escaped).
+    import json
+
+    long_ctx = ApiServerSettings(max_model_len=131_072)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "漢" * 200_000}]}).encode()
+    assert len(body) > 1 << 20 and len(body) <= long_ctx.body_limit
+    ids = json.dumps({"model": "m", "prompt": [151_643] * 131_000}).encode()   # 8 bytes a token id
+    assert len(ids) <= long_ctx.body_limit
+    assert ApiServerSettings().body_limit == 1 << 20                     # a 4,096-token context: 1 MiB
+    assert ApiServerSettings(max_body_bytes=5000, max_model_len=131_072).body_limit == 5000   # set: as set

@@ -538,7 +538,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
     app.state.metrics = metrics
     hot = HotPaths(app, {"/v1/completions": lambda request: handle(request, "completion"),
                          "/v1/chat/completions": lambda request: handle(request, "chat")}, log)
-    limited = BodyLimit(hot, limit=settings.max_body_bytes)
+    limited = BodyLimit(hot, limit=settings.body_limit)
     if settings.allowed_origins:
         # Browsers' cross-origin calls (a web UI on another origin): preflights are answered
         # here, before the API key is asked for, as browsers send none with them.

@@ -59,7 +59,7 @@ async def _wait_for_redis(settings: ApiServerSettings, sock: socket.socket) -> N
     except RedisUnreachable as exc:
         if isinstance(exc, BadRedisUrlError) or settings.redis_wait_s <= 0:
             raise
-    room = WaitingRoom(sock, settings.redis_url, settings.max_body_bytes)
+    room = WaitingRoom(sock, settings.redis_url, settings.body_limit)
     await room.open()
     try:
         await wait_reachable(settings.redis_url, settings.redis_wait_s, on_wait=_waiting(settings))
