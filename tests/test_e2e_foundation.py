@@ -212,7 +212,7 @@ def test_chat_bad_input(sim_cluster):
     cases = [
         ({"model": MODEL, "messages": []}, 400),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-          "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+          "tools": [{"type": "function"}]}, 400),                                   # a tool with no function
         ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}, 400),  # over the context
         ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400),
     ]
