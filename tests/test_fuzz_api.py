@@ -57,7 +57,8 @@ def body_strategy(schema: dict[str, Any], defs: dict[str, Any], model: str) -> s
               for k, v in props.items()}
     well_formed = st.fixed_dictionaries({k: fields[k] for k in schema.get("required", [])},
                                         optional={k: v for k, v in fields.items() if k not in schema.get("required", [])})
-    return st.one_of(well_formed, well_formed.map(lambda d: {**d, "max_tokens": 4}), ANY_JSON)
+    limit = {"max_output_tokens": 4} if "max_output_tokens" in props else {"max_tokens": 4}   # /v1/responses' name
+    return st.one_of(well_formed, well_formed.map(lambda d: {**d, **limit}), ANY_JSON)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,8 @@ def check(resp: httpx.Response) -> None:
         assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+                                  "/detokenize"])
 def test_fuzz_from_openapi_schema(api, path):
     cluster, spec = api
     defs = spec["components"]["schemas"]
@@ -99,7 +101,8 @@ def test_fuzz_raw_bytes(api):
     client = httpx.Client(timeout=30)
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-    @given(raw=st.binary(max_size=200), path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    @given(raw=st.binary(max_size=200), path=st.sampled_from(["/v1/completions", "/v1/chat/completions",
+                                                              "/v1/responses"]))
     def run(raw: bytes, path: str) -> None:
         check(client.post(cluster.api_url.rsplit("/v1", 1)[0] + path, content=raw,
                           headers={"content-type": "application/json"}))

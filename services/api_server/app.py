@@ -26,7 +26,7 @@ from services.api_server.choice import feed as _feed, final, prompt_part, text_t
 from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, names_for
 from services.api_server.multi import run_multi
 from services.api_server.metrics import ApiMetrics, unplaced
-from services.api_server import hf_text
+from services.api_server import hf_text, responses_api
 from services.api_server.bodies import add_components, openapi_body
 from services.api_server.protocol import (CHAT_TEMPLATE, SPECIAL_TOKENS, ParsedRequest, parse, parse_detokenize,
                                          parse_tokenize, token_str)
@@ -312,8 +312,10 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         check_auth(request)
         return _json({"prompt": (tok or _bytes).decode(parse_detokenize(await request.body(), settings.model, tok))})
 
-    async def handle(request: HttpRequest, kind: str) -> Response:
-        endpoint = "chat" if kind == "chat" else "completions"
+    async def handle(request: HttpRequest, kind: str, responses: bool = False) -> Response:
+        """/v1/completions, /v1/chat/completions, and (``responses``) /v1/responses, which
+        runs as the chat request it translates to (responses_api.py)."""
+        endpoint = "responses" if responses else "chat" if kind == "chat" else "completions"
         if trace.ENABLED:
             trace.mark("http_in")
         try:
@@ -325,10 +327,16 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                 raise ApiError(408, f"the request body did not arrive within {settings.read_timeout_s:g} s "
                                "(read_timeout_s); send it again", code="request_timeout",
                                headers={"Connection": "close"}) from None
+            translated = None
+            if responses:
+                raw, translated = responses_api.to_chat(raw)
             gw: Gateway = state["gw"]
-            parsed = parse(raw, kind, served_model=settings.model, max_model_len=settings.max_model_len,
-                           num_ranks=gw.num_ranks, header_rank=request.headers.get("x-data-parallel-rank"),
-                           tok=tok)
+            try:
+                parsed = parse(raw, kind, served_model=settings.model, max_model_len=settings.max_model_len,
+                               num_ranks=gw.num_ranks, header_rank=request.headers.get("x-data-parallel-rank"),
+                               tok=tok)
+            except ApiError as exc:
+                raise exc if translated is None else responses_api.rename_error(exc, translated) from None
             if parsed.ignored and len(warned) < 256 and not warned.issuperset(parsed.ignored):
                 new = sorted(set(parsed.ignored) - warned)
                 warned.update(new)
@@ -339,7 +347,9 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                 except ApiError:
                     metrics.rejected.inc()
                     raise
-            resp = await _run(request, parsed, gw)
+            resp = await _run(request, parsed, gw, None if translated is None else translated.id)
+            if translated is not None:
+                resp = _as_responses(resp, translated, parsed.model)
         except ApiError as exc:
             metrics.requests.labels(endpoint, str(exc.status)).inc()
             return exc.response()
@@ -349,9 +359,28 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         metrics.requests.labels(endpoint, str(resp.status_code)).inc()
         return resp
 
-    async def _run(request: HttpRequest, p: ParsedRequest, gw: Gateway) -> Response:
+    def _as_responses(resp: Response, t: responses_api.Translated, model: str) -> Response:
+        """A chat answer as the Responses API's: the response object, or its event stream."""
+        if isinstance(resp, StreamingResponse):
+            return StreamingResponse(_events(resp.body_iterator, t, model), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        if resp.status_code != 200:
+            return resp
+        return _json(responses_api.from_chat(orjson.loads(resp.body), t))
+
+    async def _events(chunks: Any, t: responses_api.Translated, model: str) -> AsyncIterator[bytes]:
+        try:
+            async for block in chunks:
+                for part in block.split(b"\n\n"):
+                    if part.startswith(b"data: ") and part != b"data: [DONE]":
+                        for event in responses_api.stream_events(orjson.loads(part[6:]), t, model):
+                            yield event
+        finally:
+            await chunks.aclose()   # the chat stream's own end: a client gone aborts the request there
+
+    async def _run(request: HttpRequest, p: ParsedRequest, gw: Gateway, rid: str | None = None) -> Response:
         prefix = "chatcmpl-" if p.kind == "chat" else "cmpl-"
-        rid = prefix + uuid.uuid4().hex
+        rid = rid or prefix + uuid.uuid4().hex
         request.scope[SCOPE_RID] = rid   # the X-Request-Id of the response where the client sent none
         if p.multi:
             return await run_multi(request, p, gw, rid, api_id, settings, metrics)
@@ -532,12 +561,17 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
     async def chat(request: HttpRequest) -> Response:
         return await handle(request, "chat")
 
+    @app.post("/v1/responses", openapi_extra=openapi_body("ResponsesBody"))
+    async def responses(request: HttpRequest) -> Response:
+        return await handle(request, "chat", responses=True)
+
     fastapi_openapi = app.openapi
     app.openapi = lambda: app.openapi_schema or add_components(fastapi_openapi())   # the bodies' Structs
     app.state.api_id = api_id
     app.state.metrics = metrics
     hot = HotPaths(app, {"/v1/completions": lambda request: handle(request, "completion"),
-                         "/v1/chat/completions": lambda request: handle(request, "chat")}, log)
+                         "/v1/chat/completions": lambda request: handle(request, "chat"),
+                         "/v1/responses": lambda request: handle(request, "chat", responses=True)}, log)
     limited = BodyLimit(hot, limit=settings.body_limit)
     if settings.allowed_origins:
         # Browsers' cross-origin calls (a web UI on another origin): preflights are answered

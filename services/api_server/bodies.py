@@ -258,9 +258,10 @@ _UNKNOWN_NOTE = "Unknown fields are ignored (logged once per field name at warni
 
 
 def _components() -> dict[str, Any]:
-    _, comps = msgspec.json.schema_components([CompletionBody, ChatBody, TokenizeBody, DetokenizeBody],
-                                              ref_template="#/components/schemas/{name}")
-    for name in ("CompletionBody", "ChatBody"):
+    from services.api_server.responses_api import ResponsesBody   # (it imports nothing from here)
+    _, comps = msgspec.json.schema_components([CompletionBody, ChatBody, TokenizeBody, DetokenizeBody,
+                                               ResponsesBody], ref_template="#/components/schemas/{name}")
+    for name in ("CompletionBody", "ChatBody", "ResponsesBody"):
         # Decoding forbids unknown fields only to find their names (decode.py); the route
         # serves the request without them, as vLLM does.
         comps[name]["additionalProperties"] = True
