@@ -379,7 +379,8 @@ class GroupMembership:
                 raise
             except Exception as exc:  # noqa: BLE001 - retry the rendezvous until the group is whole
                 odd = await self._other_versions()
-                self.log.warning("engine_group_retry", error=str(exc)[:200], **({"other_versions": odd} if odd else {}))
+                self.log.warning("engine_group_retry", error=str(exc)[:200],
+                                 **({"other_versions": odd} if odd else {}))
                 await self._leave_group()
                 if time.monotonic() >= deadline:
                     raise GroupLost(f"the engine group did not re-form within {self.s.reform_timeout_s:g}s "
@@ -402,7 +403,7 @@ class GroupMembership:
             for rank in range(1, self.s.ranks):
                 pipe.get(self.keys.rank_alive(rank))
                 pipe.hget(self.keys.rank_info(rank), "protocol")
-            got = await pipe.execute()
+            got = await asyncio.wait_for(pipe.execute(), 2)   # bounded: the retry loop has a deadline
         except Exception:  # noqa: BLE001 - a hint for the log, never a reason to fail
             return ""
         odd = [f"rank {rank} runs step protocol {(proto or b'none').decode()}"
