@@ -130,20 +130,30 @@ class HFTokenizer:
 
     # -- chat -------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None) -> str:
+                    template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text exactly as transformers' apply_chat_template(tokenize=False)
         renders it (encode it with add_special_tokens=False, as transformers does).
         ``template_kwargs``: more variables for the template (``enable_thinking``...), as
         transformers passes its extra keyword arguments; ValueError for one the template
-        does not read, or one that would replace what it is given."""
+        does not read, or one that would replace what it is given. ``tools``: OpenAI's
+        function tools, as transformers passes them; ValueError where the template does not
+        read them (the model would never see them)."""
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template (tokenizer_config.json 'chat_template' "
                              "or chat_template.jinja); use /v1/completions")
         extra = template_kwargs or {}
         self.check_template_kwargs(extra)
+        if tools and not self.reads_tools:
+            raise ToolsUnread("this checkpoint's chat template does not show tools to the model (it reads no "
+                              "'tools'): send them in a message, or serve a checkpoint whose template does")
         return _compile(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None, documents=None,
             **{k: v for k, v in self.special_tokens.items() if v is not None}, **extra)
+
+    @property
+    def reads_tools(self) -> bool:
+        return bool(self.chat_template) and "tools" in template_variables(self.chat_template)
 
     def check_template_kwargs(self, template_kwargs: dict[str, Any]) -> None:
         """ValueError for a template variable the chat template does not read (it would do
@@ -157,6 +167,10 @@ class HFTokenizer:
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class ToolsUnread(ValueError):
+    """Tools for a chat template that does not read them."""
 
 
 class IncrementalDecoder:

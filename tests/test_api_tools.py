@@ -166,6 +166,34 @@ def _stream(tool_call: ToolCall, text: str, finish: str = "stop") -> list[dict]:
     return out
 
 
+def test_a_checkpoints_auto_output_reads_its_tool_call_blocks():
+    auto = ToolCall("auto", None, names=("get_weather", "get_time"), fmt="hermes")
+    out = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1.10}}\n'
+           '</tool_call>\n<tool_call>{"name": "get_time", "arguments": {"tz": "UTC"}}')   # the last unclosed: EOS
+    msg, finish = message(auto, out, "stop")
+    assert finish == "tool_calls" and msg["content"] == "Let me look.\n"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+        ("get_weather", '{"city": "Oslo", "days": 1.10}'), ("get_time", '{"tz": "UTC"}')]
+    assert message(auto, out.split("\n", 1)[1], "stop")[0]["content"] is None     # nothing before the calls
+    for text in ("Sunny.", '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
+                 '<tool_call>{"name": "get_time", "arguments": "x"}</tool_call>', "<tool_call>{oops</tool_call>",
+                 '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> and some words'):
+        assert message(auto, text, "stop") == ({"role": "assistant", "content": text}, "stop"), text
+
+
+def test_a_checkpoints_auto_stream_sends_text_until_the_tag_and_the_calls_at_the_end():
+    auto = ToolCall("auto", None, names=("get_weather",), fmt="hermes")
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>'
+    entries = _stream(auto, "Let me <b> look. " + call)
+    text = [e["delta"]["content"] for e in entries if e["delta"].get("content")]
+    assert "".join(text) == "Let me <b> look. " and len(text) > 5        # streamed as it came, "<b>" too
+    calls = [c for e in entries for c in e["delta"].get("tool_calls", ())]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] and entries[-1]["finish_reason"] == "tool_calls"
+    entries = _stream(auto, "a <tool_c")                                  # a tag's beginning, then the end
+    assert "".join(e["delta"].get("content") or "" for e in entries) == "a <tool_c"
+    assert entries[-1]["finish_reason"] == "stop"
+
+
 def test_auto_streams_text_at_once_and_holds_only_what_may_be_calls():
     auto = ToolCall("auto", None, names=("get_weather", "get_time"))
     entries = _stream(auto, "  Sunny.")

@@ -237,3 +237,47 @@ def test_api_parse_uses_the_checkpoints_tokenizer_template_and_eos(tok_dir):
         parse({"model": "m", "messages": [{"role": "developer", "content": "x"}]}, "chat", served_model="m",
               max_model_len=512, num_ranks=1, tok=tok)
     assert e.value.status == 400
+
+
+# A Qwen2.5-shaped template: the tools as JSON lines in a system turn, calls as <tool_call> blocks.
+TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call a function as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Wetter — météo",
+                                                  "parameters": {"type": "object", "properties": {
+                                                      "city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_reach_a_checkpoints_template_as_transformers_passes_them(tok_dir):
+    # (they were never shown: the template got tools=None whatever the request sent)
+    from services.api_server.errors import ApiError
+    from services.api_server.protocol import parse
+
+    d, ref = tok_dir
+    tok = HFTokenizer(d)
+    ref = type(ref).from_pretrained(d)
+    tok.chat_template = ref.chat_template = TOOLS_TEMPLATE
+    conv = CONVERSATIONS[0]
+    want = ref.apply_chat_template(conv, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
+    assert '"name": "get_weather"' in want
+    p = parse({"model": "m", "messages": conv, "tools": [WEATHER_TOOL], "max_tokens": 4}, "chat", served_model="m",
+              max_model_len=4096, num_ranks=1, tok=tok)
+    assert p.prompt_text == want and p.tool_call.mode == "auto" and p.tool_call.fmt == "hermes"
+    # a template that reads no tools would hide them from the model: refused, not ignored
+    loop = "{%- for m in messages %}"
+    tok.chat_template = loop + TOOLS_TEMPLATE.split(loop)[1]      # the same turns, no tools
+    with pytest.raises(ApiError) as err:
+        parse({"model": "m", "messages": conv, "tools": [WEATHER_TOOL]}, "chat", served_model="m",
+              max_model_len=4096, num_ranks=1, tok=tok)
+    assert err.value.param == "tools" and "does not show tools" in err.value.message

@@ -97,6 +97,7 @@ class StreamChoice:
         # a tool call is parsed and sent whole at the end ("auto": only while the output may be one)
         self.tool_text: list[str] | None = [] if p.tool_call is not None else None
         self.held_lp: list[dict[str, Any]] = []   # chat logprobs of the held text
+        self.calls_begun = False                  # "auto", a checkpoint's format: a <tool_call> tag came
 
     def _entry(self, text: str | None, finish: str | None, lp: Any = None, role: bool = False) -> dict[str, Any]:
         if self.p.kind == "chat":
@@ -135,7 +136,14 @@ class StreamChoice:
                 self.tool_text.append(text)
                 if lp is not None:
                     self.held_lp += lp["content"]
-                if p.tool_call.mode == "auto" and not tools.may_be_calls("".join(self.tool_text)):
+                if p.tool_call.fmt == "hermes":
+                    # text streams until a <tool_call> tag; from it on, held to the end
+                    send, keep, self.calls_begun = tools.hermes_split("".join(self.tool_text), self.calls_begun)
+                    self.tool_text = [keep]
+                    if send:
+                        out.append(self._entry(send, None, lp={"content": self.held_lp} if self.want_lp else None))
+                        self.held_lp = []
+                elif p.tool_call.mode == "auto" and not tools.may_be_calls("".join(self.tool_text)):
                     # the model chose text: what was held goes out now, and the rest as it comes
                     text, self.tool_text = "".join(self.tool_text), None
                     out.append(self._entry(text, None, lp={"content": self.held_lp} if self.want_lp else None))

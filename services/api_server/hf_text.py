@@ -18,9 +18,11 @@ def checkpoint_dir(model: str) -> str | None:
 
 
 def chat_prompt(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
     import jinja2
+
+    from shared.hf_tokenizer import ToolsUnread
 
     if template_kwargs:
         try:
@@ -28,7 +30,9 @@ def chat_prompt(tok: Any, messages: list[dict[str, Any]], add_generation_prompt:
         except ValueError as exc:
             raise ApiError(400, f"'chat_template_kwargs': {exc}", param="chat_template_kwargs") from None
     try:
-        text = tok.render_chat(messages, add_generation_prompt, template_kwargs)
+        text = tok.render_chat(messages, add_generation_prompt, template_kwargs, tools)
+    except ToolsUnread as exc:
+        raise ApiError(400, f"'tools': {exc}", param="tools", code="unsupported_parameter") from None
     except (jinja2.TemplateError, ValueError) as exc:   # the template's raise_exception, or none at all
         raise ApiError(400, f"the chat template refused these messages: {exc}", param="messages") from None
     if continue_final_message:

@@ -261,9 +261,12 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
     _check_model(b.model, served_model)
     _unsupported(b)
     tool_call = tools.parse_tools(b)[1] if chat else None
+    if tool_call is not None and tok is not None and tool_call.mode == "auto":
+        tool_call.fmt = "hermes"        # what a checkpoint's template teaches it to write
     batch: list[tuple[list[int], str]] = []
     if chat and tok is not None:
-        text, prompt = hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b), b.chat_template_kwargs)
+        text, prompt = hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b), b.chat_template_kwargs,
+                                           tools.template_tools(b.tools))
     elif chat:
         text = byte_chat_prompt(b)
         prompt = encode(text)
@@ -391,7 +394,8 @@ def parse_tokenize(body: bytes | Any, served_model: str, tok: Any = None) -> tup
     if b.prompt is not None:
         return (encode(b.prompt) if tok is None else tok.encode(b.prompt)), strs
     if tok is not None:
-        return hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b), b.chat_template_kwargs)[1], strs
+        return hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b), b.chat_template_kwargs,
+                                   tools.template_tools(b.tools))[1], strs
     # tools are shown in the prompt as a chat completion shows them, so the count is the same
     return encode(byte_chat_prompt(b)), strs
 

@@ -6,7 +6,8 @@ and returns it as the call's arguments; ``"required"`` constrains it to a JSON a
 ``{"name", "parameters"}`` calls of the given tools (vLLM's shape) and returns those calls;
 ``"auto"`` (the default when ``tools`` are given, as OpenAI's) lets the model choose: the
 output is unconstrained, and it is returned as tool calls when it is such an array of
-calls of the given tools, as text otherwise (vLLM's JSON tool parsers decide the same
+calls of the given tools (a served checkpoint's: ``<tool_call>`` blocks, the Hermes
+format its template teaches), as text otherwise (vLLM's tool parsers decide the same
 way). The constraint is structured output (shared/grammar.py), so a forced call parses
 whatever the weights; one cut by max_tokens comes back as far as it got, with
 finish_reason "length", as OpenAI returns a truncated call.
@@ -33,6 +34,8 @@ class ToolCall:
     guide: list[str] | None        # [kind, text] for SamplingParams.guide (None: "auto" is free text)
     name: str | None = None        # the named function
     names: tuple[str, ...] = ()    # "auto", "required": the tools an output may call
+    fmt: str = "json"              # "auto": how calls are written: "json" (the byte model's array) or
+                                   # "hermes" (<tool_call>{"name", "arguments"}</tool_call>: a checkpoint's)
 
 
 def _dumps(v: Any) -> str:
@@ -88,6 +91,21 @@ def _check_schema(i: int, tool: dict[str, Any]) -> None:
                        param=f"tools[{i}].function.parameters")
 
 
+def template_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as a checkpoint's chat template gets them: OpenAI's function tools, as
+    transformers' apply_chat_template(tools=...) passes them."""
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        fn: dict[str, Any] = {"name": t.function.name}
+        if t.function.description is not None:
+            fn["description"] = t.function.description
+        fn["parameters"] = t.function.parameters or ANY_OBJECT
+        out.append({"type": "function", "function": fn})
+    return out
+
+
 def tools_block(tools: list[dict[str, Any]]) -> str:
     """The tools as the byte-level chat template shows them, before the messages."""
     return "<|tools|>\n" + _dumps(tools) + "\n" if tools else ""
@@ -136,6 +154,58 @@ def _raw_members(text: str, i: int) -> tuple[dict[str, str], int]:
         if text[i:i + 1] != ",":
             raise ValueError("not an object")
         i += 1
+
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def hermes_calls(tc: ToolCall, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """(the text before the calls, or None where it is blank; the calls) of an output that
+    holds ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, the format of
+    Qwen2.5/Qwen3, Hermes and most chat templates that show tools; None where it holds
+    none, or one that is not a call of a given tool (then the whole output is text, as
+    vLLM's hermes parser returns it). The last block may lack its closing tag (EOS)."""
+    start = text.find(HERMES_OPEN)
+    if start < 0:
+        return None
+    calls = []
+    i = start
+    while i < len(text):
+        i = _skip(text, i)
+        if i >= len(text):
+            break
+        if not text.startswith(HERMES_OPEN, i):
+            return None                              # text after a call: not a call turn
+        body_at = i + len(HERMES_OPEN)
+        end = text.find(HERMES_CLOSE, body_at)
+        body = text[body_at:end if end >= 0 else len(text)]
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return None
+        if not (isinstance(doc, dict) and doc.get("name") in tc.names and isinstance(doc.get("arguments"), dict)):
+            return None
+        members, _ = _raw_members(body, _skip(body, 0))   # the arguments as the model wrote them
+        calls.append(_call(doc["name"], members["arguments"]))
+        i = end + len(HERMES_CLOSE) if end >= 0 else len(text)
+    before = text[:start]
+    return (before if before.strip() else None), calls
+
+
+def hermes_split(held: str, begun: bool) -> tuple[str, str, bool]:
+    """"auto" with a checkpoint, streamed: (text to send now, text to hold, calls begun).
+    Text streams until a ``<tool_call>`` tag; from the tag on everything is held to the
+    end (then sent as calls, or as text where it does not parse); a tail that may be the
+    tag's beginning is held until the next token says."""
+    if begun:
+        return "", held, True
+    at = held.find(HERMES_OPEN)
+    if at >= 0:
+        return held[:at], held[at:], True
+    for k in range(min(len(HERMES_OPEN) - 1, len(held)), 0, -1):
+        if HERMES_OPEN.startswith(held[-k:]):
+            return held[:-k], held[-k:], False
+    return held, "", False
 
 
 def calls_of(tc: ToolCall, text: str) -> list[dict[str, Any]] | None:
@@ -237,7 +307,11 @@ def message(tc: ToolCall, text: str, finish: str) -> tuple[dict[str, Any], str]:
     calls ("tool_calls" for required and auto, "stop" for a named function, as vLLM); a
     forced output cut by max_tokens keeps its calls as far as they got ("length", content
     null); the text as content when it does not parse."""
-    if finish == "stop":
+    if finish == "stop" and tc.fmt == "hermes":
+        found = hermes_calls(tc, text)
+        if found is not None:
+            return {"role": "assistant", "content": found[0], "tool_calls": found[1]}, "tool_calls"
+    elif finish == "stop":
         calls = calls_of(tc, text)
         if calls is not None:
             return {"role": "assistant", "content": None, "tool_calls": calls}, \
