@@ -94,3 +94,53 @@ def test_replaced_rank_group_serves_every_rank(tmp_path, victim):
     finally:
         r.close()
         assert cluster.stop() == 0
+
+
+def test_a_group_whose_every_rank_died_keeps_the_schedulers_view_fresh(tmp_path):
+    # Every rank SIGKILLed at once: no survivor carries the group's (wave, step), and the new
+    # group restarted them at (0, 0). The scheduler took each of its reports as older than
+    # that rank's last one and dropped it: its snapshot froze (seen 112 s old under load) and
+    # waterfill placed by it, at half the throughput.
+    saved = os.environ.get("LOCKSTEP_COLLECTIVE_TIMEOUT_S")
+    os.environ["LOCKSTEP_COLLECTIVE_TIMEOUT_S"] = "5"
+    try:
+        cluster = start_cluster(tmp_path, "--ranks", str(RANKS), "--api-servers", "1", "--backend", "sim",
+                                "--spares", "2", namespace=f"all{os.getpid()}")
+    finally:
+        if saved is None:
+            os.environ.pop("LOCKSTEP_COLLECTIVE_TIMEOUT_S", None)
+        else:
+            os.environ["LOCKSTEP_COLLECTIVE_TIMEOUT_S"] = saved
+    r = redis.Redis.from_url(cluster.redis_url)
+    k = Keys(cluster.namespace)
+
+    def snapshot_key() -> tuple[int, int]:
+        w, st = r.hmget(k.snapshot, ["wave", "step"])
+        return (int(w), int(st)) if w is not None else (-1, -1)
+    try:
+        for w in range(5):    # waves ahead of what a new group runs below (each wake is one)
+            asyncio.run(_pinned_round(cluster.api_url, f"warm{w}", 20, list(range(RANKS))))
+            _poll(lambda: _paused(r, k), 20, "group paused")
+        before = snapshot_key()
+        assert before >= (4, 0), before
+        pids = [int(r.hget(k.rank_info(i), "pid")) for i in range(RANKS)]
+        gen = int(r.hget(k.dist, "gen"))
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+
+        def replaced():
+            d = r.hgetall(k.dist)
+            return (all(int(r.hget(k.rank_info(i), "pid") or 0) not in (0, *pids) for i in range(RANKS))
+                    and int(d.get(b"gen", 0)) > gen and d.get(b"formed") == b"1")
+        _poll(replaced, 90, "both ranks replaced and the group re-formed")
+        asyncio.run(_pinned_round(cluster.api_url, "after", 30, list(range(RANKS))))
+        # the new group's steps reach the scheduler's view again
+        _poll(lambda: _paused(r, k), 20, "group paused")
+
+        def current() -> bool:   # the scheduler's view is of the new group's last step
+            ranks = {tuple(int(x) for x in r.hmget(k.rank_info(i), ["wave", "step"])) for i in range(RANKS)}
+            return len(ranks) == 1 and snapshot_key() == ranks.pop() and snapshot_key() > before
+        _poll(current, 20, f"a snapshot of the new group's steps (it was {before}, now {snapshot_key()})")
+    finally:
+        r.close()
+        assert cluster.stop() == 0

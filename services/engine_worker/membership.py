@@ -330,13 +330,32 @@ class GroupMembership:
         formation starts with one gather of the counters, and every rank adopts the
         largest (wave, step) of the group: the survivors keep theirs (they are equal:
         they stepped in lockstep), the replacement takes them over, and each rank's
-        reports stay ordered per rank for the scheduler's aggregator."""
+        reports stay ordered per rank for the scheduler's aggregator. A group whose every
+        rank is new (all died at once) has no survivor to carry them: it continues from the
+        newest (wave, step) the namespace's ranks and scheduler recorded (_counters_floor).
+        Restarting at (0, 0) there, every report was older than what the scheduler had seen
+        for that rank, so it dropped them all and its view of the ranks froze."""
         was_wave, was_step = self.counters()
-        rows = await asyncio.to_thread(group.gather, [was_wave, was_step])
+        floor = await self._counters_floor()
+        rows = await asyncio.to_thread(group.gather, list(max((was_wave, was_step), floor)))
         wave, step = max((int(w), int(st)) for w, st in rows)
         if (wave, step) != (was_wave, was_step):
             self.log.info("engine_counters_adopted", wave=wave, step=step, was_wave=was_wave, was_step=was_step)
         self.adopt(wave, step)
+
+    async def _counters_floor(self) -> tuple[int, int]:
+        """The newest (wave, step) recorded for this namespace's group: every rank's last
+        step (``<ns>:rank:<r>:info``) and the scheduler's last snapshot. (0, 0) where none is,
+        or Redis does not answer within the bound (the gather still agrees on one pair)."""
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for rank in range(self.s.ranks):
+                pipe.hmget(self.keys.rank_info(rank), ["wave", "step"])
+            pipe.hmget(self.keys.snapshot, ["wave", "step"])
+            got = await asyncio.wait_for(pipe.execute(), 5)
+        except Exception:  # noqa: BLE001 - a floor is an improvement, never a reason to fail
+            return 0, 0
+        return max(((int(w), int(st)) for w, st in got if w is not None and st is not None), default=(0, 0))
 
     async def announce_replacement(self) -> None:
         """Joining a group that already ran (this rank replaces a dead one): wake the

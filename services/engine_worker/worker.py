@@ -123,8 +123,9 @@ class EngineWorker:
                     return 4
             st.backend = self._make_backend()
             # (idle_forwards counts this process's: a replacement does not show its predecessor's)
-            await self.r.hset(self.keys.rank_info(rank), mapping={"ready": time.time(), "wave": 0, "step": 0,
-                                                                  "idle_forwards": st.idle_forwards})
+            # (wave, step): the group's, as the formation adopted them (the next owner's floor)
+            await self.r.hset(self.keys.rank_info(rank), mapping={"ready": time.time(), "wave": st.wave,
+                                                                  "step": st.step, "idle_forwards": st.idle_forwards})
             from services.engine_worker.metrics import start_metrics
             port = self.s.metrics_port + rank if self.s.spare and self.s.metrics_port else self.s.metrics_port
             st.metrics = start_metrics(port, rank)
