@@ -293,6 +293,40 @@ def test_cold_start_set_live_waits_for_every_rank():
     assert agg.report(rs(1, 0, 1), 0.0).ranks.keys() == {0, 1}
 
 
+def test_a_group_of_new_incarnations_begins_the_sequence_again():
+    # Every rank's process replaced and their counters back at the start: without
+    # `restarted` each report was older than that rank's last one, dropped, and the view froze.
+    agg = StepAggregator(range(2), grace_s=0.05)
+    assert feed_step(agg, range(2), 3, 10, 0.0)[0].key == (3, 10)
+    agg.restarted(0)
+    snap = agg.report(rs(1, 3, 11), 0.01)                  # rank 0 is not waited for until it reports
+    assert snap.key == (3, 11) and list(snap.ranks) == [1]  # (nor shown: its old process's load is gone)
+    assert agg.report(rs(0, 0, 1), 0.03) is None            # one new rank, one old: (0, 1) is late, not a step
+    assert agg.final_key == (3, 11) and agg.restarts == 0
+    agg.restarted(1)                                        # now every live rank is new
+    assert agg.restarts == 1 and agg.final_key is None
+    snaps = feed_step(agg, range(2), 0, 2, 0.04)            # rank 1 is waited for from its first report on
+    assert [s.key for s in snaps] == [(0, 2)]
+    snaps = feed_step(agg, range(2), 0, 3, 0.05)
+    assert [s.key for s in snaps] == [(0, 3)] and sorted(snaps[0].ranks) == [0, 1]
+    agg.restarted(7)                                        # not a live rank: nothing changes
+    assert agg.final_key == (0, 3)
+
+
+def test_a_group_back_from_the_dead_begins_the_sequence_again():
+    # Every rank's heartbeat lapsed (the scheduler saw them dead) before new processes took
+    # the slots: they come back through set_live, not restarted().
+    agg = StepAggregator(range(2), grace_s=0.05)
+    assert feed_step(agg, range(2), 3, 10, 0.0)[0].key == (3, 10)
+    agg.set_live([1])
+    agg.set_live([0, 1])                      # one rank back: the other's sequence goes on
+    assert agg.restarts == 0 and agg.final_key == (3, 10)
+    agg.set_live([])
+    agg.set_live([0, 1])
+    assert agg.restarts == 1 and agg.final_key is None
+    assert [s.key for s in feed_step(agg, range(2), 0, 1, 0.1)] == [(0, 1)]
+
+
 def test_counters_are_plain_ints():
     agg = StepAggregator(range(2))
     feed_step(agg, range(2), 0, 1, 0.0)

@@ -96,16 +96,19 @@ def test_replaced_rank_group_serves_every_rank(tmp_path, victim):
         assert cluster.stop() == 0
 
 
-def test_a_group_whose_every_rank_died_keeps_the_schedulers_view_fresh(tmp_path):
+@pytest.mark.parametrize("records_lost", [False, True])
+def test_a_group_whose_every_rank_died_keeps_the_schedulers_view_fresh(tmp_path, records_lost):
     # Every rank SIGKILLed at once: no survivor carries the group's (wave, step), and the new
     # group restarted them at (0, 0). The scheduler took each of its reports as older than
     # that rank's last one and dropped it: its snapshot froze (seen 112 s old under load) and
-    # waterfill placed by it, at half the throughput.
+    # waterfill placed by it, at half the throughput. The new group now continues from what
+    # Redis recorded; where that is gone too (records_lost), the scheduler, seeing every
+    # rank's process replaced, begins its step sequence again.
     saved = os.environ.get("LOCKSTEP_COLLECTIVE_TIMEOUT_S")
     os.environ["LOCKSTEP_COLLECTIVE_TIMEOUT_S"] = "5"
     try:
         cluster = start_cluster(tmp_path, "--ranks", str(RANKS), "--api-servers", "1", "--backend", "sim",
-                                "--spares", "2", namespace=f"all{os.getpid()}")
+                                "--spares", "2", namespace=f"all{int(records_lost)}{os.getpid()}")
     finally:
         if saved is None:
             os.environ.pop("LOCKSTEP_COLLECTIVE_TIMEOUT_S", None)
@@ -127,6 +130,11 @@ def test_a_group_whose_every_rank_died_keeps_the_schedulers_view_fresh(tmp_path)
         gen = int(r.hget(k.dist, "gen"))
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
+        if records_lost:
+            for i in range(RANKS):
+                r.hdel(k.rank_info(i), "wave", "step")
+            r.hdel(k.snapshot, "wave", "step")
+            before = (-1, -1)    # any snapshot of the new group's steps will do
 
         def replaced():
             d = r.hgetall(k.dist)

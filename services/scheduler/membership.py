@@ -46,8 +46,11 @@ class Membership:
         # A new incarnation of a rank (a hot spare took the slot of a dead process before
         # this loop saw it empty): what the old one had is resumed now, not at the next scan.
         consumers = {r: v[0] for r, v in info.items()}
-        if any(self.consumers.get(r) not in (None, c) for r, c in consumers.items()):
+        new = [r for r, c in consumers.items() if self.consumers.get(r) not in (None, c)]
+        if new:
             self.recovery.soon()
+            for r in new:   # its reports begin a new sequence (the aggregator's restarted)
+                st.agg.restarted(r)
         self.consumers = consumers
         if live != st.live or drained != st.drained:
             self.log.info("ranks_changed", live=live, drained=sorted(drained))

@@ -24,6 +24,12 @@ when a step is *final* and what the published snapshot of it contains (DESIGN §
   waited for until its first report, so a new rank can never hold finalization back.
   Ranks passed to the constructor (or joining an empty cluster) are waited for from the
   start, bounded by the grace period.
+* A rank's new incarnation (another process took its slot: :meth:`restarted`) starts a
+  new sequence of reports, judged from its first one, as a joining rank's. Where every
+  live rank is new (restarted, or live again after it was dead), the group's counters may
+  have gone back (every rank died at once and Redis lost what they recorded; the engines
+  otherwise continue them): the final step is forgotten too, so their steps are published
+  rather than read as stale or late.
 * ``min_interval_s`` rate-limits publication: a step finalized too soon after the last
   publication waits (``ready``); a newer one replaces it (``coalesced``); the ready one is published
   by :meth:`tick` at :meth:`next_deadline`.
@@ -70,6 +76,7 @@ class StepAggregator:
         self._pending: dict[Key, _Pending] = {}
         self._oldest_first = float("inf")       # earliest `first` among pending steps
         self._final_key: Key | None = None
+        self._fresh: set[int] = set()            # live ranks whose incarnation changed (restarted)
         self._ready: Snapshot | None = None      # final, waiting out min_interval_s
         self._last_pub_t = float("-inf")
         # counters (shown by `lockstep status --json` and /metrics)
@@ -85,6 +92,7 @@ class StepAggregator:
         self.carried_total = 0    # sum over finalized steps of len(Snapshot.carried)
         self.coalesced = 0        # finalized snapshots replaced before min_interval_s let them out
         self.published = 0        # snapshots returned to the caller
+        self.restarts = 0         # times every live rank was new and the sequence began again
 
     # ---------------------------------------------------------------- queries
 
@@ -103,7 +111,7 @@ class StepAggregator:
     def counters(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in (
             "reports", "accepted", "stale_dropped", "duplicates", "not_live", "late",
-            "finalized", "grace_expired", "superseded", "carried_total", "coalesced", "published")}
+            "finalized", "grace_expired", "superseded", "carried_total", "coalesced", "published", "restarts")}
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` must next be called, or None when nothing is waiting."""
@@ -181,6 +189,8 @@ class StepAggregator:
         :meth:`next_deadline` says so and the next :meth:`tick` finalizes it."""
         new = set(ranks)
         cold = not self._live
+        if self._final_key is not None:
+            self._fresh |= new - self._live     # back from the dead: its reports may begin anew
         for r in self._live - new:
             self._last_key.pop(r, None)
             self._base.pop(r, None)
@@ -190,11 +200,39 @@ class StepAggregator:
         if not cold:
             self._joining |= new - self._live
         self._live = new
+        self._fresh &= new
+        self._begin_again_if_all_fresh()
         self._live_sorted = sorted(new)
         self._joining &= new
         self._required = len(new) - len(self._joining)
         for p in self._pending.values():
             p.have = sum(1 for r, k in self._last_key.items() if k >= p.key and r not in self._joining)
+
+    def restarted(self, rank: int) -> None:
+        """Another process now holds ``rank``: forget its reports and wait for it again
+        from its first one. Once every live rank is new, begin the sequence again."""
+        if rank not in self._live:
+            return
+        self._last_key.pop(rank, None)
+        self._base.pop(rank, None)
+        for p in self._pending.values():
+            p.reports.pop(rank, None)
+        self._joining.add(rank)
+        self._fresh.add(rank)
+        self._begin_again_if_all_fresh()
+        self._required = len(self._live) - len(self._joining)
+        for p in self._pending.values():
+            p.have = sum(1 for r, k in self._last_key.items() if k >= p.key and r not in self._joining)
+
+    def _begin_again_if_all_fresh(self) -> None:
+        """Every live rank new (restarted, or back after it was dead): nobody's reports
+        continue the old sequence, which may be ahead of theirs. Forget its final step."""
+        if self._live and self._live <= self._fresh:
+            self._final_key = None
+            self._pending.clear()
+            self._oldest_first = float("inf")
+            self._fresh.clear()
+            self.restarts += 1
 
     # ---------------------------------------------------------------- internals
 
