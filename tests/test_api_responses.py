@@ -74,9 +74,19 @@ def test_what_cannot_be_served_is_a_400_naming_the_responses_field(body, param):
 
 
 def test_a_chat_error_names_the_responses_field():
-    _, t = to_chat(orjson.dumps({"model": MODEL, "input": [{"role": "user", "content": "x"}], "instructions": "i"}))
+    _, t = to_chat(orjson.dumps({"model": MODEL, "instructions": "i", "input": [
+        {"type": "reasoning", "id": "r"}, {"role": "user", "content": "x"},
+        {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "b", "name": "f", "arguments": "{}"},     # the same assistant turn
+        {"type": "function_call_output", "call_id": "a", "output": "y"}]}))
+    # chat messages: instructions, input[1], input[2] (+ input[3]), input[4]
     err = rename_error(ApiError(400, "'messages[1].content' is too long", param="messages[1].content"), t)
-    assert err.param == "input[0].content" and "'input[0].content'" in err.message
+    assert err.param == "input[1].content" and "'input[1].content'" in err.message
+    assert rename_error(ApiError(400, "x", param="messages[3]"), t).param == "input[4]"
+    assert rename_error(ApiError(400, "x", param="messages[0].content"), t).param == "instructions"
+    _, t = to_chat(orjson.dumps({"model": MODEL, "input": "a string"}))
+    assert rename_error(ApiError(400, "x", param="messages[0].content"), t).param == "input"
+    assert rename_error(ApiError(400, "x", param="messages"), t).param == "input"
     err = rename_error(ApiError(400, "'max_completion_tokens' must be ...", param="max_completion_tokens"), t)
     assert err.param == "max_output_tokens" and "'max_output_tokens'" in err.message
 

@@ -60,7 +60,7 @@ class Translated:
     id: str
     created_at: int
     echo: dict[str, Any]
-    instructions_shift: int = 0        # messages before input[0] (the instructions' system turn)
+    sources: list[str] = field(default_factory=list)   # per chat message, the Responses field it came from
     logprobs: bool = False
     seq: int = 0                       # sequence_number of the next stream event
     items: list[dict[str, Any]] = field(default_factory=list)   # streamed output items, in order
@@ -90,12 +90,15 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(out)
 
 
-def _messages(b: ResponsesBody) -> list[dict[str, Any]]:
+def _messages(b: ResponsesBody) -> tuple[list[dict[str, Any]], list[str]]:
+    """(the chat messages, and for each the Responses field it came from: its errors' name)."""
     msgs: list[dict[str, Any]] = []
+    sources: list[str] = []
     if b.instructions:
         msgs.append({"role": "system", "content": b.instructions})
+        sources.append("instructions")
     if isinstance(b.input, str):
-        return [*msgs, {"role": "user", "content": b.input}]
+        return [*msgs, {"role": "user", "content": b.input}], [*sources, "input"]
     for i, item in enumerate(b.input):
         where = f"input[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
@@ -104,6 +107,7 @@ def _messages(b: ResponsesBody) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise ApiError(400, f"'{where}.role' must be user, system, developer or assistant", param=where)
             msgs.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+            sources.append(where)
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
@@ -114,18 +118,20 @@ def _messages(b: ResponsesBody) -> list[dict[str, Any]]:
                 last["tool_calls"].append(call)        # parallel calls: one assistant turn
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                sources.append(where)
         elif kind == "function_call_output":
             out = item.get("output")
             if not isinstance(item.get("call_id"), str) or out is None:
                 raise ApiError(400, f"'{where}' needs call_id and output", param=where)
             msgs.append({"role": "tool", "tool_call_id": item["call_id"],
                          "content": out if isinstance(out, str) else _text_of(out, f"{where}.output")})
+            sources.append(where)
         elif kind == "reasoning":
             continue                                   # a reasoning model's trace: nothing to show this one
         else:
             raise ApiError(400, f"'{where}': input items of type {kind!r} are not supported (message, "
                            "function_call, function_call_output)", param=where, code="unsupported_parameter")
-    return msgs
+    return msgs, sources
 
 
 def _tools(b: ResponsesBody) -> list[dict[str, Any]] | None:
@@ -202,7 +208,8 @@ def to_chat(raw: bytes) -> tuple[bytes, Translated]:
     if b.truncation == "auto":
         raise ApiError(400, "'truncation' \"auto\" is not supported: an input past the context is a 400 "
                        "(send \"disabled\" or leave it out)", param="truncation", code="unsupported_parameter")
-    chat: dict[str, Any] = {"model": b.model, "messages": _messages(b)}
+    messages, sources = _messages(b)
+    chat: dict[str, Any] = {"model": b.model, "messages": messages}
     for name, v in (("max_completion_tokens", b.max_output_tokens), ("temperature", b.temperature),
                     ("top_p", b.top_p), ("tools", _tools(b)), ("tool_choice", _tool_choice(b.tool_choice)),
                     ("parallel_tool_calls", b.parallel_tool_calls), ("response_format", _format(b.text)),
@@ -220,8 +227,7 @@ def to_chat(raw: bytes) -> tuple[bytes, Translated]:
             "top_p": 1.0 if b.top_p is None else b.top_p, "tool_choice": b.tool_choice or "auto",
             "tools": b.tools or [], "text": b.text or {"format": {"type": "text"}}, "user": b.user,
             "top_logprobs": b.top_logprobs}
-    shift = 1 if b.instructions else 0
-    return orjson.dumps(chat), Translated("resp_" + uuid.uuid4().hex, int(time.time()), echo, shift, logprobs)
+    return orjson.dumps(chat), Translated("resp_" + uuid.uuid4().hex, int(time.time()), echo, sources, logprobs)
 
 
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -229,18 +235,18 @@ _PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_outp
 
 
 def rename_error(exc: ApiError, t: Translated) -> ApiError:
-    """A chat request's 400 in the Responses request's words: ``messages[i]`` is
-    ``input[i]`` (less the instructions' turn), max_tokens is max_output_tokens."""
+    """A chat request's 400 in the Responses request's words: ``messages[i]`` is the input
+    item (or the instructions) it came from, max_tokens is max_output_tokens."""
     p = exc.param
     if p is None:
         return exc
     if p.startswith("messages"):
         head, _, rest = p.partition("]")
         try:
-            i = int(head[len("messages["):]) - t.instructions_shift
-        except ValueError:
-            i = -1
-        exc.param = "input" + (f"[{i}]" + rest if i >= 0 else "")
+            source = t.sources[int(head[len("messages["):])]
+        except (ValueError, IndexError):
+            source = "input"
+        exc.param = source + (rest if source.startswith("input[") else "")
         exc.message = exc.message.replace(p, exc.param)
     elif p in _PARAMS:
         exc.message = exc.message.replace(f"'{p}'", f"'{_PARAMS[p]}'")
