@@ -76,7 +76,7 @@ class StepAggregator:
         self._pending: dict[Key, _Pending] = {}
         self._oldest_first = float("inf")       # earliest `first` among pending steps
         self._final_key: Key | None = None
-        self._fresh: set[int] = set()            # live ranks whose incarnation changed (restarted)
+        self._fresh: set[int] = set()            # live ranks new since the final step (restarted or back)
         self._ready: Snapshot | None = None      # final, waiting out min_interval_s
         self._last_pub_t = float("-inf")
         # counters (shown by `lockstep status --json` and /metrics)
@@ -204,9 +204,7 @@ class StepAggregator:
         self._begin_again_if_all_fresh()
         self._live_sorted = sorted(new)
         self._joining &= new
-        self._required = len(new) - len(self._joining)
-        for p in self._pending.values():
-            p.have = sum(1 for r, k in self._last_key.items() if k >= p.key and r not in self._joining)
+        self._recount()
 
     def restarted(self, rank: int) -> None:
         """Another process now holds ``rank``: forget its reports and wait for it again
@@ -220,6 +218,11 @@ class StepAggregator:
         self._joining.add(rank)
         self._fresh.add(rank)
         self._begin_again_if_all_fresh()
+        self._recount()
+
+    def _recount(self) -> None:
+        """The ranks waited for, and each pending step's count of them, after the live or
+        joining set changed."""
         self._required = len(self._live) - len(self._joining)
         for p in self._pending.values():
             p.have = sum(1 for r, k in self._last_key.items() if k >= p.key and r not in self._joining)
