@@ -47,13 +47,22 @@ def test_a_request_becomes_the_chat_request_that_answers_it():
     assert [m["role"] for m in c["messages"]] == ["user", "assistant", "tool", "assistant"]
     assert [t["id"] for t in c["messages"][1]["tool_calls"]] == ["c1", "c2"]
     assert c["messages"][2] == {"role": "tool", "tool_call_id": "c1", "content": "snow"}
+    # what the Agents SDK sends back: a refusal part of an earlier answer; a response's own
+    # defaults (tool_choice "auto" with tools []) mean no tools
+    c = _chat({"input": [{"type": "message", "role": "assistant", "id": "m", "status": "completed",
+                          "content": [{"type": "refusal", "refusal": "no"}]}], "tools": [], "tool_choice": "auto"})
+    assert c["messages"] == [{"role": "assistant", "content": "no"}] and "tools" not in c and "tool_choice" not in c
 
 
 @pytest.mark.parametrize("body,param", [
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0]"),
     ({"input": [{"type": "web_search_call"}]}, "input[0]"),
-    ({"input": [{"role": "robot", "content": "x"}]}, "input[0]"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "zz", "output": "y"}]},
+     "input[1].call_id"),                                           # answers no call in the input
+    ({"input": "x", "text": {"verbosity": "high"}}, "text.verbosity"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
@@ -87,6 +96,9 @@ def test_a_chat_error_names_the_responses_field():
     _, t = to_chat(orjson.dumps({"model": MODEL, "input": "a string"}))
     assert rename_error(ApiError(400, "x", param="messages[0].content"), t).param == "input"
     assert rename_error(ApiError(400, "x", param="messages"), t).param == "input"
+    err = rename_error(ApiError(400, "tool 'a': 'tools[0].function.parameters' ...",
+                                param="tools[0].function.parameters"), t)
+    assert err.param == "tools[0].parameters" and "'tools[0].parameters'" in err.message
     err = rename_error(ApiError(400, "'max_completion_tokens' must be ...", param="max_completion_tokens"), t)
     assert err.param == "max_output_tokens" and "'max_output_tokens'" in err.message
 
@@ -108,8 +120,13 @@ def test_an_answer_becomes_a_response_object():
     assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
     call = {"id": "chatcmpl-tool-1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     r = from_chat(_completion(None, "tool_calls", [call]), t)
-    assert [(o["type"], o["call_id"], o["name"], o["arguments"]) for o in r["output"]] == [
-        ("function_call", "chatcmpl-tool-1", "f", "{}")]
+    assert [(o["type"], o["call_id"], o["name"], o["arguments"], o["status"]) for o in r["output"]] == [
+        ("function_call", "chatcmpl-tool-1", "f", "{}", "completed")]
+    assert r["completed_at"] >= r["created_at"]
+    # a call cut by max_output_tokens is incomplete: an agent must not run it on cut arguments
+    cut = {**call, "function": {"name": "f", "arguments": '{"city": "Pa'}}
+    r = from_chat(_completion(None, "length", [cut]), t)
+    assert r["status"] == "incomplete" and r["output"][0]["status"] == "incomplete" and r["completed_at"] is None
 
 
 def test_a_chunk_stream_becomes_the_event_stream():
@@ -126,6 +143,17 @@ def test_a_chunk_stream_becomes_the_event_stream():
         "response.content_part.done", "response.output_item.done", "response.completed"]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == "hey"
+    # a streamed call is sent at the finish, which says whether it was cut
+    _, t = to_chat(orjson.dumps({"model": MODEL, "input": "x", "stream": True}))
+    cut = {"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": '}}
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [cut]}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}]
+    events = [json.loads(e.split(b"\ndata: ", 1)[1]) for c in chunks for e in stream_events(c, t, MODEL)]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i["status"]) for i in done] == [("function_call", "incomplete")]
+    assert events[-1]["type"] == "response.incomplete"
     _, t = to_chat(orjson.dumps({"model": MODEL, "input": "x", "stream": True}))
     events = [json.loads(e.split(b"\ndata: ", 1)[1]) for e in
               stream_events({"error": {"message": "timed out", "code": "timeout"}}, t, MODEL)]

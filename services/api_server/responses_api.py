@@ -68,6 +68,7 @@ class Translated:
     lp: list[Any] = field(default_factory=list)                 # its logprobs
     open_msg: int | None = None        # output index of the message item being streamed
     finish: str | None = None          # the chat stream's finish_reason
+    calls: list[dict[str, Any]] = field(default_factory=list)   # streamed tool calls, until the finish
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -81,6 +82,8 @@ def _text_of(content: Any, where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
             out.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):   # a replayed answer's refusal
+            out.append(part["refusal"])
         elif kind in ("input_image", "input_file", "input_audio"):
             raise ApiError(400, f"'{where}[{j}]': {kind} is not supported: this server serves a text model",
                            param=f"{where}[{j}]", code="unsupported_parameter")
@@ -94,6 +97,7 @@ def _messages(b: ResponsesBody) -> tuple[list[dict[str, Any]], list[str]]:
     """(the chat messages, and for each the Responses field it came from: its errors' name)."""
     msgs: list[dict[str, Any]] = []
     sources: list[str] = []
+    called: set[str] = set()
     if b.instructions:
         msgs.append({"role": "system", "content": b.instructions})
         sources.append("instructions")
@@ -105,7 +109,8 @@ def _messages(b: ResponsesBody) -> tuple[list[dict[str, Any]], list[str]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise ApiError(400, f"'{where}.role' must be user, system, developer or assistant", param=where)
+                raise ApiError(400, f"'{where}.role' must be user, system, developer or assistant",
+                               param=f"{where}.role")
             msgs.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
             sources.append(where)
         elif kind == "function_call":
@@ -113,6 +118,7 @@ def _messages(b: ResponsesBody) -> tuple[list[dict[str, Any]], list[str]]:
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
             if not all(isinstance(v, str) for v in (call["id"], item.get("name"), item.get("arguments"))):
                 raise ApiError(400, f"'{where}' needs call_id, name and arguments (strings)", param=where)
+            called.add(call["id"])
             last = msgs[-1] if msgs else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
                 last["tool_calls"].append(call)        # parallel calls: one assistant turn
@@ -123,6 +129,9 @@ def _messages(b: ResponsesBody) -> tuple[list[dict[str, Any]], list[str]]:
             out = item.get("output")
             if not isinstance(item.get("call_id"), str) or out is None:
                 raise ApiError(400, f"'{where}' needs call_id and output", param=where)
+            if item["call_id"] not in called:     # OpenAI's rule: an output answers a call in the input
+                raise ApiError(400, f"'{where}.call_id': no function_call with call_id {item['call_id']!r} comes "
+                               "before it in the input", param=f"{where}.call_id")
             msgs.append({"role": "tool", "tool_call_id": item["call_id"],
                          "content": out if isinstance(out, str) else _text_of(out, f"{where}.output")})
             sources.append(where)
@@ -135,7 +144,7 @@ def _messages(b: ResponsesBody) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 def _tools(b: ResponsesBody) -> list[dict[str, Any]] | None:
-    if b.tools is None:
+    if not b.tools:
         return None
     out = []
     for i, t in enumerate(b.tools):
@@ -150,7 +159,9 @@ def _tools(b: ResponsesBody) -> list[dict[str, Any]] | None:
     return out
 
 
-def _tool_choice(choice: Any) -> Any:
+def _tool_choice(choice: Any, tools: list[Any] | None) -> Any:
+    if not tools and choice in ("auto", "none"):
+        return None     # a response object's own defaults ("auto", tools []) sent back: no tools
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
@@ -160,6 +171,12 @@ def _tool_choice(choice: Any) -> Any:
 
 
 def _format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    for k, v in (text or {}).items():
+        if k == "verbosity" and v not in (None, "medium"):
+            raise ApiError(400, "'text.verbosity': only \"medium\" is supported (the model has one length)",
+                           param="text.verbosity", code="unsupported_parameter")
+        if k not in ("format", "verbosity"):
+            raise ApiError(400, f"'text.{k}' is not a field of text (format, verbosity)", param=f"text.{k}")
     fmt = (text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise ApiError(400, "'text.format' must be an object: {\"type\": \"text\" | \"json_object\" | "
@@ -169,6 +186,8 @@ def _format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+            raise ApiError(400, "'text.format.name' is required for json_schema", param="text.format.name")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     raise ApiError(400, "'text.format.type' must be text, json_object or json_schema", param="text.format")
 
@@ -211,7 +230,7 @@ def to_chat(raw: bytes) -> tuple[bytes, Translated]:
     messages, sources = _messages(b)
     chat: dict[str, Any] = {"model": b.model, "messages": messages}
     for name, v in (("max_completion_tokens", b.max_output_tokens), ("temperature", b.temperature),
-                    ("top_p", b.top_p), ("tools", _tools(b)), ("tool_choice", _tool_choice(b.tool_choice)),
+                    ("top_p", b.top_p), ("tools", _tools(b)), ("tool_choice", _tool_choice(b.tool_choice, b.tools)),
                     ("parallel_tool_calls", b.parallel_tool_calls), ("response_format", _format(b.text)),
                     ("user", b.user)):
         if v is not None:
@@ -248,6 +267,9 @@ def rename_error(exc: ApiError, t: Translated) -> ApiError:
             source = "input"
         exc.param = source + (rest if source.startswith("input[") else "")
         exc.message = exc.message.replace(p, exc.param)
+    elif p.startswith("tools[") and ".function" in p:    # the chat shape nests what Responses does not
+        exc.message = exc.message.replace(p, p.replace(".function", "", 1))
+        exc.param = p.replace(".function", "", 1)
     elif p in _PARAMS:
         exc.message = exc.message.replace(f"'{p}'", f"'{_PARAMS[p]}'")
         exc.param = _PARAMS[p]
@@ -267,6 +289,7 @@ def _usage(u: dict[str, Any] | None) -> dict[str, Any] | None:
 def _response(t: Translated, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
               finish: str | None = None, error: dict[str, Any] | None = None, model: str = "") -> dict[str, Any]:
     return {"id": t.id, "object": "response", "created_at": t.created_at, "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "background": False, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
             "model": model, "output": output, "previous_response_id": None, "reasoning": None,
@@ -279,9 +302,12 @@ def _message_item(text: str, status: str = "completed", lp: list[Any] | None = N
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": lp or []}]}
 
 
-def _call_item(call: dict[str, Any]) -> dict[str, Any]:
+def _call_item(call: dict[str, Any], finish: str | None) -> dict[str, Any]:
+    """A call cut by max_output_tokens is ``incomplete``, as OpenAI marks it: an agent loop
+    must not run a tool on its cut arguments."""
     return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call["id"],
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+            "status": "incomplete" if finish == "length" else "completed"}
 
 
 def from_chat(body: dict[str, Any], t: Translated) -> dict[str, Any]:
@@ -292,7 +318,7 @@ def from_chat(body: dict[str, Any], t: Translated) -> dict[str, Any]:
     if msg.get("content") or not msg.get("tool_calls"):
         lp = (choice.get("logprobs") or {}).get("content") if t.logprobs else None
         output.append(_message_item(msg.get("content") or "", "incomplete" if finish == "length" else "completed", lp))
-    output += [_call_item(c) for c in msg.get("tool_calls") or ()]
+    output += [_call_item(c, finish) for c in msg.get("tool_calls") or ()]
     return _response(t, "incomplete" if finish == "length" else "completed", output, body.get("usage"), finish,
                      model=body["model"])
 
@@ -318,6 +344,25 @@ def _close_message(t: Translated, status: str) -> list[bytes]:
             _event(t, "response.output_item.done", output_index=i, item=item)]
 
 
+def _calls(t: Translated) -> list[bytes]:
+    out: list[bytes] = []
+    for call in t.calls:
+        out += _close_message(t, "completed")
+        item = _call_item(call, t.finish)
+        i = len(t.items)
+        t.items.append(item)
+        out += [_event(t, "response.output_item.added", output_index=i, item={**item, "arguments": "",
+                                                                              "status": "in_progress"})]
+        if item["arguments"]:
+            out.append(_event(t, "response.function_call_arguments.delta", item_id=item["id"], output_index=i,
+                              delta=item["arguments"]))
+        out += [_event(t, "response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                       arguments=item["arguments"], name=item["name"]),
+                _event(t, "response.output_item.done", output_index=i, item=item)]
+    t.calls = []
+    return out
+
+
 def stream_events(chunk: dict[str, Any], t: Translated, model: str) -> list[bytes]:
     """The Responses events for one chat.completion.chunk (or error) of the stream."""
     if "error" in chunk:                      # the chat stream's error event (timeout, engine error)
@@ -340,26 +385,16 @@ def stream_events(chunk: dict[str, Any], t: Translated, model: str) -> list[byte
                 t.items.append(item)
                 out += [_event(t, "response.output_item.added", output_index=t.open_msg, item=item),
                         _event(t, "response.content_part.added", item_id=item["id"], output_index=t.open_msg,
-                               content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+                               content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
             lp = ((c.get("logprobs") or {}).get("content") or []) if t.logprobs else []
             t.text.append(text)
             t.lp += lp
             out.append(_event(t, "response.output_text.delta", item_id=t.items[t.open_msg]["id"],
                               output_index=t.open_msg, content_index=0, delta=text, logprobs=lp))
-        for call in delta.get("tool_calls") or ():
-            out += _close_message(t, "completed")
-            item = _call_item(call)
-            i = len(t.items)
-            t.items.append(item)
-            out += [_event(t, "response.output_item.added", output_index=i, item={**item, "arguments": "",
-                                                                                  "status": "in_progress"}),
-                    _event(t, "response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                           delta=item["arguments"]),
-                    _event(t, "response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                           arguments=item["arguments"], name=item["name"]),
-                    _event(t, "response.output_item.done", output_index=i, item=item)]
+        t.calls += delta.get("tool_calls") or ()      # sent at the finish: their status needs it
         if c.get("finish_reason") is not None:
             t.finish = c["finish_reason"]
+            out += _calls(t)
     if chunk.get("usage") is not None and not chunk.get("choices"):   # the last chunk: include_usage
         finish = t.finish
         if t.open_msg is None and not t.items:
@@ -368,7 +403,7 @@ def stream_events(chunk: dict[str, Any], t: Translated, model: str) -> list[byte
             t.items.append(item)
             out += [_event(t, "response.output_item.added", output_index=t.open_msg, item=item),
                     _event(t, "response.content_part.added", item_id=item["id"], output_index=t.open_msg,
-                           content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+                           content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
         out += _close_message(t, "incomplete" if finish == "length" else "completed")
         status = "incomplete" if finish == "length" else "completed"
         done = _response(t, status, t.items, chunk["usage"], finish, model=model)
