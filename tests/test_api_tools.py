@@ -134,7 +134,8 @@ def test_a_forced_call_cut_by_max_tokens_is_returned_as_far_as_it_got():
     assert message(req, '[{"name": "get_', "length") == ({"role": "assistant", "content": None}, "length")
     assert message(req, '[{"', "length") == ({"role": "assistant", "content": None}, "length")
     msg, finish = message(ToolCall("named", ["json", "{}"], "get_weather"), '{"city": "Pa', "length")
-    assert finish == "length" and msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
+    assert finish == "length"
+    assert msg["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Pa'}
 
 
 def test_auto_reads_an_array_of_calls_of_the_given_tools_and_anything_else_as_text():

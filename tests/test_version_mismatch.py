@@ -62,11 +62,10 @@ def test_a_rank_joins_only_a_rank_0_of_its_own_protocol(redis_url, namespace):
                 with pytest.raises(VersionMismatch) as err:
                     await asyncio.wait_for(rank1._rendezvous(), 10)
                 assert said in str(err.value) and "same lockstep version" in str(err.value)
-                # A re-formation does not retry it for reform_timeout_s: it cannot succeed.
-                t0 = time.monotonic()
+                # A re-formation does not retry it (it cannot succeed): retried, it would end
+                # in GroupLost after reform_timeout_s instead.
                 with pytest.raises(VersionMismatch):
                     await asyncio.wait_for(rank1.reform("test"), 10)
-                assert time.monotonic() - t0 < 3
         finally:
             await r.aclose()
 

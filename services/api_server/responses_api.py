@@ -329,6 +329,17 @@ def _event(t: Translated, kind: str, **fields: Any) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
+def _open_message(t: Translated) -> list[bytes]:
+    """A message item begins: its added events (its text follows as deltas)."""
+    t.open_msg = len(t.items)
+    item = _message_item("", "in_progress")
+    t.items.append(item)
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    return [_event(t, "response.output_item.added", output_index=t.open_msg, item=item),
+            _event(t, "response.content_part.added", item_id=item["id"], output_index=t.open_msg, content_index=0,
+                   part=part)]
+
+
 def _close_message(t: Translated, status: str) -> list[bytes]:
     if t.open_msg is None:
         return []
@@ -337,7 +348,7 @@ def _close_message(t: Translated, status: str) -> list[bytes]:
     item["status"] = status
     part = item["content"][0]
     part["text"], part["logprobs"] = text, list(t.lp)
-    t.open_msg = None
+    t.open_msg, t.text, t.lp = None, [], []
     ids = {"item_id": item["id"], "output_index": i, "content_index": 0}
     return [_event(t, "response.output_text.done", **ids, text=text, logprobs=part["logprobs"]),
             _event(t, "response.content_part.done", **ids, part=part),
@@ -380,12 +391,7 @@ def stream_events(chunk: dict[str, Any], t: Translated, model: str) -> list[byte
         text = delta.get("content")
         if text:
             if t.open_msg is None:
-                t.open_msg = len(t.items)
-                item = _message_item("", "in_progress")
-                t.items.append(item)
-                out += [_event(t, "response.output_item.added", output_index=t.open_msg, item=item),
-                        _event(t, "response.content_part.added", item_id=item["id"], output_index=t.open_msg,
-                               content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+                out += _open_message(t)
             lp = ((c.get("logprobs") or {}).get("content") or []) if t.logprobs else []
             t.text.append(text)
             t.lp += lp
@@ -398,12 +404,7 @@ def stream_events(chunk: dict[str, Any], t: Translated, model: str) -> list[byte
     if chunk.get("usage") is not None and not chunk.get("choices"):   # the last chunk: include_usage
         finish = t.finish
         if t.open_msg is None and not t.items:
-            t.open_msg = len(t.items)          # an empty answer is still a message
-            item = _message_item("", "in_progress")
-            t.items.append(item)
-            out += [_event(t, "response.output_item.added", output_index=t.open_msg, item=item),
-                    _event(t, "response.content_part.added", item_id=item["id"], output_index=t.open_msg,
-                           content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+            out += _open_message(t)            # an empty answer is still a message
         out += _close_message(t, "incomplete" if finish == "length" else "completed")
         status = "incomplete" if finish == "length" else "completed"
         done = _response(t, status, t.items, chunk["usage"], finish, model=model)
