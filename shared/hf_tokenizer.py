@@ -88,6 +88,7 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         d = Path(model_dir)
+        self.model_dir = d
         if not (d / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{d / 'tokenizer.json'} not found: the checkpoint directory needs its "
                                     "tokenizer (tokenizer.json, tokenizer_config.json)")
@@ -127,6 +128,16 @@ class HFTokenizer:
 
     def is_special(self, t: int) -> bool:
         return t in self._special_ids
+
+    @property
+    def grammar_vocab(self) -> Any:
+        """These tokens as structured output's grammars see them (shared/grammar.py Vocab;
+        built on first use, about a second for a large vocabulary, then cached). None for a
+        checkpoint that names no EOS token: nothing could end a finished grammar's output."""
+        if not self.eos_token_ids:
+            return None
+        from shared import grammar
+        return grammar.checkpoint_vocab(str(self.model_dir), self.eos_token_ids)
 
     # -- chat -------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

@@ -16,6 +16,10 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
+# The same turns with the tools shown first (as Qwen2.5/3 templates show them: one JSON line each)
+TOOLS_CHAT_TEMPLATE = ("{%- if tools %}<|im_start|>system\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}"
+                       "<|im_end|>\n{% endif %}" + CHAT_TEMPLATE)
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Lockstep balances load across data-parallel ranks of a mixture-of-experts model.",
@@ -28,7 +32,7 @@ CORPUS = [
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def make_tokenizer(out: Path, kind: str = "bytelevel", vocab_size: int = 384):
+def make_tokenizer(out: Path, kind: str = "bytelevel", vocab_size: int = 384, chat_template: str = CHAT_TEMPLATE):
     """A small BPE trained on CORPUS: ``bytelevel`` (GPT-2/Qwen style) or ``metaspace``
     (Llama/Mistral style: ▁ for spaces, byte fallback). Saved as tokenizer.json and
     tokenizer_config.json (with the chat template) through transformers."""
@@ -61,12 +65,13 @@ def make_tokenizer(out: Path, kind: str = "bytelevel", vocab_size: int = 384):
         tok = rebuilt
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(out)
     return fast
 
 
 def make_checkpoint(out: Path, arch: str, *, n_experts: int = 8, layers: int = 2, tokenizer: str | None = None,
+                    chat_template: str = CHAT_TEMPLATE,
                     rope_scaling: dict | None = None, seed: int = 0, **overrides):
     """A random ``arch`` model ('qwen3_moe', 'mixtral', 'olmoe', 'deepseek_v2', 'deepseek_v3') saved in ``out`` with a
     tokenizer; returns the transformers model (fp32, eval) for reference forwards."""
@@ -75,7 +80,8 @@ def make_checkpoint(out: Path, arch: str, *, n_experts: int = 8, layers: int = 2
                               Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     out.mkdir(parents=True, exist_ok=True)
-    fast = make_tokenizer(out, tokenizer or ("metaspace" if arch == "mixtral" else "bytelevel"))
+    fast = make_tokenizer(out, tokenizer or ("metaspace" if arch == "mixtral" else "bytelevel"),
+                          chat_template=chat_template)
     eos = fast.convert_tokens_to_ids("<|im_end|>")
     common = dict(vocab_size=len(fast), hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

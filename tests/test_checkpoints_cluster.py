@@ -1,10 +1,12 @@
 """A real checkpoint through the whole cluster: `lockstep up --model DIR` (api-server ->
 scheduler -> 2 EP ranks over gloo), queried with the official openai client, answers
 token for token what transformers' greedy ``generate`` makes of the same prompt, with the
-checkpoint's chat template, streaming detokenization, stop strings and usage."""
+checkpoint's chat template, streaming detokenization, stop strings and usage; and its
+structured output and forced tool calls follow the grammar over the checkpoint's tokens."""
 
 from __future__ import annotations
-
+import json
+import re
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 
 from tests.conftest import start_cluster  # noqa: E402
-from tests.hf_checkpoints import make_checkpoint  # noqa: E402
+from tests.hf_checkpoints import TOOLS_CHAT_TEMPLATE, make_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +29,7 @@ MAX_NEW = 12
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpt-cluster")
     ckpt = tmp / "tiny-qwen3-moe"
-    ref = make_checkpoint(ckpt, "qwen3_moe", max_position_embeddings=4096)
+    ref = make_checkpoint(ckpt, "qwen3_moe", max_position_embeddings=4096, chat_template=TOOLS_CHAT_TEMPLATE)
     from transformers import AutoTokenizer
     hf_tok = AutoTokenizer.from_pretrained(ckpt)
     cluster = start_cluster(tmp, "--ranks", "2", "--api-servers", "1", "--spares", "0", "--model", str(ckpt))
@@ -111,3 +113,43 @@ def test_tokenize_detokenize_and_tokenizer_info_use_the_checkpoints_tokenizer(se
     info = httpx.get(f"{base}/tokenizer_info", timeout=30).json()
     assert info["vocab_size"] == len(hf_tok) and info["eos_token"] == "<|im_end|>"
     assert info["chat_template"] == hf_tok.chat_template
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+def _person(text: str) -> None:
+    out = json.loads(text)
+    assert set(out) == {"name", "age"} and len(out["name"]) <= 8 and 0 <= out["age"] <= 120, text
+
+
+def test_structured_output_and_forced_calls_follow_the_checkpoints_tokens(served):
+    # (a 400 before: the grammar was built for the byte model's tokens only); random weights,
+    # so only the grammar makes these parse
+    client, name, ref, hf_tok = served
+    msgs = [{"role": "user", "content": "a person, as JSON"}]
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for seed in (1, 2):
+        r = client.chat.completions.create(model=name, messages=msgs, max_tokens=300, seed=seed, temperature=1.0,
+                                           response_format=schema)
+        assert r.choices[0].finish_reason == "stop"          # the checkpoint's EOS ended the finished grammar
+        _person(r.choices[0].message.content)
+        r = client.completions.create(model=name, prompt="id:", max_tokens=40, seed=seed,
+                                      extra_body={"guided_regex": r"[A-Z]{3}-\d{2,4}"})
+        assert re.fullmatch(r"[A-Z]{3}-\d{2,4}", r.choices[0].text), r.choices[0].text
+    stream = client.chat.completions.create(model=name, messages=msgs, max_tokens=300, seed=3, stream=True,
+                                            response_format=schema)
+    _person("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    r = client.chat.completions.create(model=name, messages=msgs, max_tokens=300, seed=4, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    r = client.chat.completions.create(model=name, messages=msgs, max_tokens=300, seed=5, tools=[WEATHER],
+                                       tool_choice="required")
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert all(c.function.name == "get_weather" for c in r.choices[0].message.tool_calls)

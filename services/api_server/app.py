@@ -171,6 +171,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
     tok = HFTokenizer(ckpt) if ckpt else None
     if ckpt:
         settings = settings.model_copy(update={"model": Path(ckpt).name})
+        _ = tok.grammar_vocab   # built now, not inside the first structured-output request
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

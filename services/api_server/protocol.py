@@ -260,7 +260,8 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
         raise ApiError(400, "'model' is required", param="model")
     _check_model(b.model, served_model)
     _unsupported(b)
-    tool_call = tools.parse_tools(b)[1] if chat else None
+    g_vocab = None if tok is None else tok.grammar_vocab   # the tokens structured output compiles for
+    tool_call = tools.parse_tools(b, g_vocab)[1] if chat else None
     if tool_call is not None and tok is not None and tool_call.mode == "auto":
         tool_call.fmt = "hermes"        # what a checkpoint's template teaches it to write
     batch: list[tuple[list[int], str]] = []
@@ -330,17 +331,18 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
     if params.min_tokens > params.max_tokens:
         raise ApiError(400, f"'min_tokens' ({params.min_tokens}) must be at most max_tokens ({params.max_tokens})",
                        param="min_tokens")
-    g = guide(b)
+    g = guide(b, g_vocab)
     if tool_call is not None and tool_call.guide is not None:   # a forced call ("auto" writes freely)
         if g is not None:
             raise ApiError(400, f"'{g[0]}' cannot be combined with tool_choice {_show(b.tool_choice)}", param=g[0])
         g = ("tool_choice", tool_call.guide)
-    if g is not None and tok is not None:
-        raise ApiError(400, f"'{g[0]}' is not supported yet when serving a checkpoint (its grammar is built for the "
-                       "byte-level model's tokens)", param=g[0], code="unsupported_parameter")
+    if g is not None and tok is not None and g_vocab is None:
+        raise ApiError(400, f"'{g[0]}' needs an EOS token to end the output, and this checkpoint names none "
+                       "(generation_config.json eos_token_id)", param=g[0], code="unsupported_parameter")
     if g is not None:
         # a finished grammar allows only EOS: both would make it unreachable
-        for name, on in (("ignore_eos", params.ignore_eos), ("min_tokens", params.min_tokens > 0)):
+        # (the request's own ignore_eos: a checkpoint's EOS ends it as a stop token id, checkpoint_stops)
+        for name, on in (("ignore_eos", bool(b.ignore_eos)), ("min_tokens", params.min_tokens > 0)):
             if on:
                 raise ApiError(400, f"'{name}' cannot be combined with structured output ('{g[0]}')", param=name)
         params.guide = g[1]

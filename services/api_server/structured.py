@@ -27,9 +27,10 @@ def _guide_of(kind: str, v: Any) -> list[str]:
     return [kind, v]
 
 
-def guide(b: GenerationBody) -> tuple[str, list[str]] | None:
+def guide(b: GenerationBody, vocab: Any = None) -> tuple[str, list[str]] | None:
     """(the field that asked, [kind, text]) of the request's structured output, checked
-    by compiling it (shared/grammar.py); None without one. One field at most."""
+    by compiling it (shared/grammar.py) for ``vocab``, the served checkpoint's tokens (None:
+    the byte model's); None without one. One field at most."""
     found: list[tuple[str, list[str]]] = []
     rf = b.response_format
     if rf is not None and rf.type == "json_object":
@@ -56,7 +57,7 @@ def guide(b: GenerationBody) -> tuple[str, list[str]] | None:
                        param=found[1][0])
     from shared import grammar   # llguidance: only for requests that ask
     name, g = found[0]
-    why = grammar.check(*g)
+    why = grammar.check(*g, vocab)
     if why is not None:
         raise ApiError(400, f"'{name}' cannot be compiled: {why[:300]}", param=name)
     return name, g

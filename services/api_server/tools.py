@@ -49,8 +49,9 @@ def tool_defs(tools: list[Tool] | None) -> list[dict[str, Any]]:
              "parameters": t.function.parameters or ANY_OBJECT} for t in tools or ()]
 
 
-def parse_tools(body: ChatBody) -> tuple[list[dict[str, Any]], ToolCall | None]:
-    """(the tools, to show in the prompt; the constraint, or None for text)."""
+def parse_tools(body: ChatBody, vocab: Any = None) -> tuple[list[dict[str, Any]], ToolCall | None]:
+    """(the tools, to show in the prompt; the constraint, or None for text). ``vocab``: the
+    served checkpoint's (shared/grammar.py Vocab) that a forced call compiles for; None = bytes."""
     tools = tool_defs(body.tools)
     choice = body.tool_choice
     if choice is None:
@@ -63,7 +64,7 @@ def parse_tools(body: ChatBody) -> tuple[list[dict[str, Any]], ToolCall | None]:
         return tools, ToolCall("auto", None, names=tuple(t["name"] for t in tools))
     if choice == "required":
         for i, t in enumerate(tools):
-            _check_schema(i, t)
+            _check_schema(i, t, vocab)
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["name"]]},
                                                    "parameters": t["parameters"]},
                   "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
@@ -76,16 +77,16 @@ def parse_tools(body: ChatBody) -> tuple[list[dict[str, Any]], ToolCall | None]:
     match = next((t for t in tools if t["name"] == name), None)
     if match is None:
         raise ApiError(400, f"tool_choice names {name!r}, which is not in 'tools'", param="tool_choice")
-    _check_schema(tools.index(match), match)
+    _check_schema(tools.index(match), match, vocab)
     return tools, ToolCall("named", ["json", _dumps(match["parameters"])], name)
 
 
-def _check_schema(i: int, tool: dict[str, Any]) -> None:
+def _check_schema(i: int, tool: dict[str, Any], vocab: Any = None) -> None:
     """A 400 naming the tool whose ``parameters`` cannot constrain the output (as
     ``response_format`` gets): the engine would otherwise find no token the broken grammar
     allows, and end the output empty with finish_reason "stop"."""
     from shared import grammar   # llguidance: only for requests that constrain
-    why = grammar.check("json", _dumps(tool["parameters"]))
+    why = grammar.check("json", _dumps(tool["parameters"]), vocab)
     if why is not None:
         raise ApiError(400, f"tool {tool['name']!r}: 'parameters' cannot be compiled: {why[:300]}",
                        param=f"tools[{i}].function.parameters")

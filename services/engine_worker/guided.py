@@ -5,7 +5,9 @@ The matcher follows ``seq.generated``: before each mask it consumes the tokens g
 since the last one, so a preempted sequence, or one resumed here from another rank with
 tokens already generated, is always in step with what the client has. A finished grammar
 allows only EOS, so the sampler ends the request there (``finish_reason: "stop"``). Only
-guided sequences cost anything: the worker skips this while ``active`` is False.
+guided sequences cost anything: the worker skips this while ``active`` is False. The
+matchers compile for the served model's vocabulary (``vocab``: a checkpoint's, set by the
+worker once its backend is made; None = the byte model's).
 """
 
 from __future__ import annotations
@@ -14,9 +16,6 @@ from typing import Any, Callable
 
 from shared import grammar
 from shared.messages import SamplingParams
-from shared.tokenizer import EOS, VOCAB_SIZE
-
-MASK_BYTES = (VOCAB_SIZE + 31) // 32 * 4
 
 
 class _State:
@@ -27,15 +26,13 @@ class _State:
         self.consumed = 0
 
 
-def _only_eos(nbytes: int) -> bytes:
-    b = bytearray(nbytes)
-    b[EOS // 8] |= 1 << (EOS % 8)
-    return bytes(b)
-
-
 class Guides:
-    def __init__(self) -> None:
+    def __init__(self, vocab: grammar.Vocab | None = None) -> None:
         self._states: dict[str, _State] = {}
+        self.vocab = vocab
+
+    def _vocab(self) -> grammar.Vocab:
+        return self.vocab or grammar.byte_vocab()
 
     @property
     def active(self) -> bool:
@@ -45,7 +42,7 @@ class Guides:
         if params.guide is not None:
             kind, text = params.guide
             try:
-                m = grammar.matcher(kind, text)
+                m = grammar.matcher(kind, text, self._vocab())
             except Exception:  # noqa: BLE001 - the api-server checked it; a bad one still must not stop the rank
                 m = None       # only EOS is allowed: the request ends at once
             self._states[seq_id] = _State(m)
@@ -68,7 +65,7 @@ class Guides:
             gen = seq.generated if seq is not None else []
             m = st.m
             if m is None:
-                out[c.seq_id] = _only_eos(MASK_BYTES)
+                out[c.seq_id] = self._vocab().only_eos()
                 continue
             if st.consumed < len(gen):
                 for t in gen[st.consumed:]:
@@ -76,5 +73,5 @@ class Guides:
                         break
                 st.consumed = len(gen)
             mask = m.compute_bitmask()
-            out[c.seq_id] = _only_eos(len(mask)) if m.is_error() else mask
+            out[c.seq_id] = self._vocab().only_eos() if m.is_error() else mask
         return out or None

@@ -122,6 +122,7 @@ class EngineWorker:
                     self.log.error("engine_group_lost", error=str(lost))
                     return 4
             st.backend = self._make_backend()
+            st.guides.vocab = getattr(st.backend, "grammar_vocab", None)   # a checkpoint's tokens (None: bytes)
             # (idle_forwards counts this process's: a replacement does not show its predecessor's)
             # (wave, step): the group's, as the formation adopted them (the next owner's floor)
             await self.r.hset(self.keys.rank_info(rank), mapping={"ready": time.time(), "wave": st.wave,

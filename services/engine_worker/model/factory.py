@@ -1,6 +1,6 @@
 """The engine's torch backend for its settings: the bundled model, or the checkpoint
 directory ``settings.model`` names (its weights on this rank, its vocabulary for stop
-strings, its EOS tokens)."""
+strings and structured output, its EOS tokens)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,7 @@ def make_runner(settings: Any, rank: int) -> Any:
             return TorchModelRunner.from_pretrained(str(BUNDLED_DIR), rank, s.ranks, s.num_kv_blocks, s.block_size,
                                                     device=device, dtype=torch.float32)
         return TorchModelRunner(MoEConfig(seed=s.seed), rank, s.ranks, s.num_kv_blocks, s.block_size, device=device)
+    from shared import grammar
     from shared.hf_tokenizer import HFTokenizer, token_bytes_table
     from shared.stop import use_vocabulary
 
@@ -103,5 +104,10 @@ def make_runner(settings: Any, rank: int) -> Any:
         raise ValueError(f"dtype must be auto, bfloat16 or float32, not {s.dtype!r}")
     runner = TorchModelRunner.from_pretrained(s.model, rank, s.ranks, s.num_kv_blocks, s.block_size,
                                               device=device, dtype=dtypes[s.dtype])
-    use_vocabulary(token_bytes_table(HFTokenizer(s.model)))
+    tok = HFTokenizer(s.model)
+    use_vocabulary(token_bytes_table(tok))
+    # structured output's masks over the checkpoint's tokens (built now: about a second for a
+    # large vocabulary, which the first guided request would otherwise stall a step for)
+    if tok.eos_token_ids:   # (with none, the api-servers refuse structured output)
+        runner.grammar_vocab = grammar.checkpoint_vocab(str(s.model), tok.eos_token_ids, runner.config.vocab_size)
     return runner

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -29,6 +31,8 @@ class TorchModelRunner:
     peers waiting in the collective until the group's timeout, so the engine's scheduler
     must only hand over chunks it has validated (these checks are a safety net).
     """
+
+    grammar_vocab: Any = None   # a checkpoint's tokens for structured output (factory.py); None: bytes
 
     def __init__(self, config: MoEConfig | HFConfig, rank: int, world_size: int, num_kv_blocks: int,
                  block_size: int, device: str = "cpu", group=None, model_dir: str | None = None,
