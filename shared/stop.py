@@ -118,13 +118,22 @@ class TextStopper:
     request that did not stop on a stop string.
     """
 
-    __slots__ = ("_stops", "_buf", "stopped", "matched")
+    __slots__ = ("_stops", "_buf", "_sent", "_floor", "stopped", "matched")
 
     def __init__(self, stop: Iterable[str] | None) -> None:
         self._stops = _clean(stop)
         self._buf = ""
+        self._sent = 0     # characters returned so far (the held-back buffer starts there)
+        self._floor = 0    # a stop string ending at or before this character does not count
         self.stopped = False
         self.matched: str | None = None   # the stop string that ended the text
+
+    def count_from(self, chars: int) -> None:
+        """Stop strings that end within the next ``chars`` characters do not count (the
+        text of the first min_tokens tokens, as the engine ignores a stop string completed
+        there, and as vLLM checks stop strings only past min_tokens); later ones do, even
+        where they began in that text."""
+        self._floor = self._sent + len(self._buf) + chars
 
     def __bool__(self) -> bool:
         return bool(self._stops)
@@ -138,8 +147,11 @@ class TextStopper:
         # The stop string that completes first wins (as on the engine, which finishes
         # at the completing token); on a tie in the end, the longest one (earliest cut).
         cut = end = -1
+        floor = self._floor - self._sent
         for s in self._stops:
             i = buf.find(s)
+            while 0 <= i and i + len(s) <= floor:
+                i = buf.find(s, i + 1)
             if i >= 0:
                 e = i + len(s)
                 if end < 0 or e < end or (e == end and i < cut):
@@ -149,11 +161,10 @@ class TextStopper:
             self._buf = ""
             return buf[:cut]
         keep = self._holdback(buf)
-        if keep:
-            self._buf = buf[-keep:]
-            return buf[:-keep]
-        self._buf = ""
-        return buf
+        out = buf[:-keep] if keep else buf
+        self._buf = buf[len(out):]
+        self._sent += len(out)
+        return out
 
     def finish(self) -> str:
         """Text still held back, to send when the request ends without a stop string."""

@@ -255,6 +255,7 @@ def test_min_tokens_defers_stop_strings(client):
     first = raw.index(c)
     m = next(i for i in range(first + 2, 50) if raw[i - 1] != c and c in raw[i:])
     j = raw.index(c, m)
+    at = raw.index(c, first + 1)   # min_tokens = first + 1: the stop string is token min_tokens itself
     for stream in (False, True):
         kw = dict(model=MODEL, prompt="min stop", max_tokens=60, seed=4, stop=[chr(c)],
                   extra_body={"ignore_eos": True})
@@ -268,6 +269,14 @@ def test_min_tokens_defers_stop_strings(client):
                                              ).choices[0].text
         assert plain.encode() == raw[:first]
         assert later.encode() == raw[:j]
+        # a stop string completed by token min_tokens does not count, on the engine or in the text
+        # (the engine stopped there and the text kept it)
+        kw["extra_body"] = {"ignore_eos": True, "min_tokens": first + 1}
+        if stream:
+            edge = "".join(x.choices[0].text for x in client.completions.create(stream=True, **kw) if x.choices)
+        else:
+            edge = client.completions.create(**kw).choices[0].text
+        assert edge.encode() == raw[:at]
 
 
 def test_many_and_long_stop_strings_are_served():

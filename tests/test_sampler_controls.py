@@ -17,6 +17,7 @@ from services.engine_worker.sequence import Sequence
 from services.engine_worker.sim_backend import SimBackend, eos_from, sim_logprobs
 from services.engine_worker.step_logprobs import StepLogprobs
 from shared.messages import Delta, SamplingParams
+from shared.stop import TextStopper
 from shared.tokenizer import EOS, token_text
 
 
@@ -90,6 +91,28 @@ def test_min_tokens_holds_eos_stop_ids_and_stop_strings_back():
     assert _drive(_core(), seq, [ord("x"), 5, 5, ord("x")]) == ([ord("x"), 5, 5, ord("x")], "stop")
     seq = Sequence("c", [1], SamplingParams(max_tokens=3, min_tokens=3))
     assert _drive(_core(), seq, [EOS, EOS, 5]) == ([EOS, EOS, 5], "length")
+
+
+def test_a_stop_string_counts_once_the_output_is_longer_than_min_tokens():
+    # (one completed by token min_tokens ended the request, while the api-server kept its text:
+    # "opx" for stop "x" at min_tokens 3; vLLM checks stop strings past min_tokens only)
+    x, y = ord("x"), ord("y")
+    seq = Sequence("a", [1], SamplingParams(max_tokens=10, min_tokens=3, stop=["x"]))
+    assert _drive(_core(), seq, [5, 5, x, 5, x, 5]) == ([5, 5, x, 5, x], "stop")
+    seq = Sequence("b", [1], SamplingParams(max_tokens=10, min_tokens=3, stop=["xy"]))   # begun within, ended after
+    assert _drive(_core(), seq, [5, 5, x, y, 5]) == ([5, 5, x, y], "stop")
+
+
+def test_the_api_servers_cut_follows_the_same_rule():
+    st = TextStopper(["x"])
+    st.count_from(3)                       # the text of the first min_tokens tokens
+    assert st.feed("opx") + st.feed("mx") + st.feed("z") + st.finish() == "opxm" and st.stopped
+    st = TextStopper(["xy"])
+    st.count_from(3)
+    assert st.feed("opx") + st.feed("yz") + st.finish() == "op" and st.matched == "xy"
+    st = TextStopper(["aa"])
+    st.count_from(2)
+    assert st.feed("aaa") + st.finish() == "a"      # the first "aa" ends at the floor; the next counts
 
 
 def test_ignore_eos_keeps_going():

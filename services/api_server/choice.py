@@ -31,13 +31,14 @@ def text_tokens(p: ParsedRequest, ch: RequestChannel, tokens: list[int], end: in
 
 def feed(p: ParsedRequest, dec: StreamDecoder, stopper: TextStopper, tokens: list[int], start: int) -> str:
     """Text of ``tokens`` (the generated ones from index ``start``) through the stop-string
-    filter, except the first min_tokens tokens: the engine does not stop on a stop string
-    there, so the text is not cut there either."""
+    filter, where a stop string ending within the first min_tokens tokens does not count:
+    the engine does not stop on one there, so the text is not cut there either."""
     k = max(0, min(len(tokens), p.params.min_tokens - start)) if p.params.stop else 0
     if not k:
         return stopper.feed(dec.feed(tokens))
     head = dec.feed(tokens[:k])
-    return head + stopper.feed(dec.feed(tokens[k:])) if k < len(tokens) else head
+    stopper.count_from(len(head))
+    return stopper.feed(head + dec.feed(tokens[k:]) if k < len(tokens) else head)
 
 
 def prompt_part(prompt: list[int], ch: RequestChannel, cl: CompletionLogprobs | None) -> dict[str, Any] | None:

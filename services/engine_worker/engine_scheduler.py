@@ -39,7 +39,8 @@ therefore always be completed alone, and preemption always frees enough for the 
 is emitted, nothing after it is generated; the api-server trims the text from the stop
 string on, see shared/stop.py), when it is one of ``stop_token_ids`` (``"stop"``), or when
 max_tokens is reached (``"length"``). Before ``min_tokens`` tokens only max_tokens ends it
-(the torch sampler also masks EOS and the stop tokens until then).
+(the torch sampler also masks EOS and the stop tokens until then), and a stop string counts
+only once the output is longer than ``min_tokens`` (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -405,8 +406,10 @@ class EngineScheduler:
         early = n < params.min_tokens     # nothing but max_tokens ends it yet
         if tok == EOS and not params.ignore_eos and not early:
             return "stop"
-        # the checker sees every token, so a stop string completed after min_tokens is found
-        if seq.stop_checker is not None and seq.stop_checker.feed(tok) and not early:
+        # The checker sees every token (so one begun within min_tokens is found), and a stop
+        # string counts once the output is longer than min_tokens, as in vLLM: one completed
+        # by token min_tokens itself does not (the api-server cuts alike, choice.feed).
+        if seq.stop_checker is not None and seq.stop_checker.feed(tok) and n > params.min_tokens:
             return "stop"
         if params.stop_token_ids and tok in params.stop_token_ids and not early:
             return "stop"
