@@ -31,7 +31,6 @@ def _err(body: dict | bytes, kind: str = "completion") -> ApiError:
     ({"model": "m", "prompt": "x", "top_p": 1.5}, "completion", "top_p", "must be a number <= 1, got 1.5"),
     ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "completion", "repetition_penalty", "must be a number > 0, got 0"),
     ({"model": "m", "prompt": "x", "max_tokens": "ten"}, "completion", "max_tokens", "must be an integer"),
-    ({"prompt": "x"}, "completion", "model", "'model' is required"),
     ({"model": "m"}, "completion", "prompt", "'prompt' is required"),
     ({"model": "m", "prompt": "x", "stop": ["a", ""]}, "completion", "stop", "'stop[1]' must be a non-empty string"),
     ({"model": "m", "prompt": "x", "stop": ["a"] * 65}, "completion", "stop", "at most 64 items"),
@@ -132,8 +131,8 @@ def test_schema_is_the_structs():
     assert comps["ChatBody"]["properties"]["temperature"] == CHAT_SCHEMA["properties"]["temperature"]
     temp = {s.get("type"): s for s in CHAT_SCHEMA["properties"]["temperature"]["anyOf"]}
     assert temp["number"]["minimum"] == 0 and temp["number"]["maximum"] == 2
-    assert set(CHAT_SCHEMA["required"]) == {"messages", "model"}
-    assert set(COMPLETION_SCHEMA["required"]) == {"model", "prompt"}
+    assert set(CHAT_SCHEMA["required"]) == {"messages"}     # model: the served one when left out
+    assert set(COMPLETION_SCHEMA["required"]) == {"prompt"}
 
 
 def test_a_prompt_past_the_context_names_the_prompt_and_a_completion_past_it_names_max_tokens():
@@ -172,3 +171,12 @@ def test_the_byte_models_chat_ends_at_the_next_role_tag():
     assert chat(response_format={"type": "json_object"}) == []          # a grammar ends it
     assert parse({"model": "m", "prompt": "hi"}, "completion", served_model="m", max_model_len=4096,
                  num_ranks=1).params.stop == []                         # raw text: no turns
+
+
+@pytest.mark.parametrize("body,kind", [({"prompt": "x"}, "completion"), ({"model": "", "prompt": "x"}, "completion"),
+                                       ({"messages": MSGS}, "chat"), ({"model": None, "messages": MSGS}, "chat")])
+def test_a_request_without_a_model_is_served_by_the_served_one(body, kind):
+    # (a 400 "'model' is required": vLLM serves it, and curl scripts written for vLLM leave it out)
+    from services.api_server.protocol import parse
+    p = parse(body, kind, served_model="m", max_model_len=512, num_ranks=1)
+    assert p.model == "m"

@@ -143,7 +143,7 @@ TokenIds = list[Annotated[int, Meta(ge=0)]]
 
 class GenerationBody(Struct, kw_only=True):
     """The fields both generation routes take."""
-    model: str
+    model: str | None = None   # none, null or "": the served model (as vLLM reads it; curl scripts leave it out)
     temperature: _num(0.0, 2.0) = None
     top_p: _num(0.0, 1.0) = None          # 0: the most likely token only (OpenAI accepts 0)
     seed: _int(-2**63, 2**63 - 1) = None

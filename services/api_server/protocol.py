@@ -230,7 +230,9 @@ def _messages(msgs: list[ChatMessage], calls_as_text: bool = False) -> list[dict
 
 
 def _check_model(model: str | None, served_model: str) -> None:
-    if model is not None and model != served_model:
+    """A 404 for a model this server does not serve; none (or "") is the served one, as
+    vLLM reads it."""
+    if model and model != served_model:
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{served_model}'",
                        param="model", code="model_not_found",
                        error_type="invalid_request_error")   # OpenAI's type for it
@@ -256,8 +258,6 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
     chat = kind == "chat"
     b: Any
     b, ignored = decode(body, ChatBody if chat else CompletionBody)
-    if not b.model:
-        raise ApiError(400, "'model' is required", param="model")
     _check_model(b.model, served_model)
     _unsupported(b)
     g_vocab = None if tok is None else tok.grammar_vocab   # the tokens structured output compiles for
@@ -366,7 +366,7 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
     continuous_usage = include_usage and bool(opts.continuous_usage_stats)
     if include_usage and not stream:
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    return ParsedRequest(kind=kind, model=b.model, prompt=prompt, params=params, stream=stream,
+    return ParsedRequest(kind=kind, model=b.model or served_model, prompt=prompt, params=params, stream=stream,
                          include_usage=include_usage, rank=_rank(b, header_rank, num_ranks), echo=echo,
                          prompt_text=text, ignored=ignored, logprobs=lp, drop_output=drop_output,
                          prompts=prompts, n=n, best_of=best_of, best_of_lp=best_of_lp, tool_call=tool_call,

@@ -26,7 +26,7 @@ MAX_INPUT_ITEMS = 4096
 
 class ResponsesBody(Struct, kw_only=True):
     """The fields this server reads; any other is ignored, as in the other routes."""
-    model: str
+    model: str | None = None   # none: the served model, as in the other routes
     input: str | Annotated[list[dict[str, Any]], Meta(max_length=MAX_INPUT_ITEMS)]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
