@@ -52,6 +52,15 @@ def test_a_wrong_method_is_a_405_that_says_which_methods_it_takes(root):
     assert r.json()["error"]["code"] == "method_not_allowed"
 
 
+def test_probes_answer_head_and_an_unknown_url_is_openais_error(root):
+    # (HEAD was a 405: `wget --spider` health checks and some load balancers send HEAD)
+    for path in ("/health", "/ready", "/ping", "/v1/models", "/version"):
+        r = httpx.head(root + path, timeout=10)
+        assert r.status_code in (200, 503) and r.content == b"", path
+    r = httpx.post(root + "/v1/no-such-route", json={}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"   # OpenAI's type
+
+
 def test_a_browser_on_another_origin_may_call_the_api(root):
     # (an OPTIONS preflight was a 405, so a web UI served from another origin could not call
     # the API at all; vLLM allows any origin by default)

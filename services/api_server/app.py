@@ -197,7 +197,8 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
 
     @app.exception_handler(404)
     async def _not_found(request: HttpRequest, _: Exception) -> Response:
-        return error_response(404, f"no route {request.method} {request.url.path}", code="not_found")
+        return error_response(404, f"no route {request.method} {request.url.path}", code="not_found",
+                              error_type="invalid_request_error")   # OpenAI's type for an unknown URL
 
     @app.exception_handler(405)
     async def _bad_method(request: HttpRequest, exc: Exception) -> Response:
@@ -218,7 +219,8 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
             raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
-    @app.get("/health")
+    # HEAD too on the probes and listings (wget --spider and some load balancers send HEAD)
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         gw: Gateway = state["gw"]
         try:
@@ -228,7 +230,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         return _json({"status": "ok", "redis": True, "api_id": api_id, "inflight": len(gw.channels),
                       "ranks": gw.num_ranks, "ranks_live": gw.ranks_live})
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready() -> Response:
         """Readiness (a load balancer's or Kubernetes' probe): 200 only while a request would be
         served now: Redis answers and every rank of the engine group has a heartbeat (it steps
@@ -267,7 +269,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         return {"id": settings.model, "object": "model", "created": started, "owned_by": "lockstep",
                 "root": settings.model, "parent": None, "max_model_len": settings.max_model_len}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: HttpRequest) -> Response:
         check_auth(request)
         return _json({"object": "list", "data": [model_card()]})
@@ -281,12 +283,12 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                            error_type="invalid_request_error")   # OpenAI's type for it
         return _json(model_card())
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.api_route("/ping", methods=["GET", "POST", "HEAD"])
     async def ping() -> Response:
         """SageMaker's liveness probe, as vLLM serves it: 200 with an empty body."""
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> Response:
         return _json({"version": VERSION})
 
