@@ -180,3 +180,19 @@ def test_a_request_without_a_model_is_served_by_the_served_one(body, kind):
     from services.api_server.protocol import parse
     p = parse(body, kind, served_model="m", max_model_len=512, num_ranks=1)
     assert p.model == "m"
+
+
+def test_an_assistants_refusal_part_is_history_other_parts_are_refused():
+    # (a 400: OpenAI accepts the refusal parts of its own answers sent back in the history)
+    from services.api_server.errors import ApiError
+    from services.api_server.protocol import parse
+    msgs = [{"role": "user", "content": "x"},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]},
+            {"role": "user", "content": [{"type": "text", "text": "why?"}]}]
+    p = parse({"messages": msgs}, "chat", served_model="m", max_model_len=512, num_ranks=1)
+    assert "I can't help with that." in p.prompt_text
+    for bad in ({"role": "user", "content": [{"type": "refusal", "refusal": "no"}]},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}):
+        with pytest.raises(ApiError) as err:
+            parse({"messages": [bad]}, "chat", served_model="m", max_model_len=512, num_ranks=1)
+        assert err.value.status == 400 and err.value.param == "messages[0].content"

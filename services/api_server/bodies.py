@@ -120,8 +120,9 @@ class NamedToolChoice(Struct, kw_only=True):
 
 
 class ContentPart(Struct, kw_only=True):
-    type: str                      # only "text" is served: checked in protocol.py to say so
+    type: str                      # only "text" (and an assistant's "refusal") is served: checked in protocol.py
     text: str | None = None
+    refusal: str | None = None     # an assistant turn's refusal part, sent back in the history
 
 
 class ChatMessage(Struct, kw_only=True):

@@ -198,6 +198,17 @@ def _prompt_tokens(prompt: Any) -> tuple[list[int], str]:
     raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
 
 
+def _part_text(part: Any, role: str, i: int) -> str:
+    """A content part's text: a text part's, or an assistant's refusal (OpenAI accepts the
+    refusal parts its own answers carry, sent back in the history)."""
+    if part.type == "text" and part.text is not None:
+        return part.text
+    if part.type == "refusal" and role == "assistant" and part.refusal is not None:
+        return part.refusal
+    raise ApiError(400, f"messages[{i}].content: only text parts (and an assistant's refusal parts) are supported",
+                   param=f"messages[{i}].content")
+
+
 def _messages(msgs: list[ChatMessage], calls_as_text: bool = False) -> list[dict[str, Any]]:
     """The chat turns as the templates take them: role and text content (and a tool turn's
     call id, an assistant turn's earlier calls). ``calls_as_text``: a template that reads
@@ -211,10 +222,7 @@ def _messages(msgs: list[ChatMessage], calls_as_text: bool = False) -> list[dict
             # an assistant turn that called tools: the calls are its text in the prompt
             content = tools.render_calls(calls) if calls else ""
         if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported",
-                               param=f"messages[{i}].content")
-            content = "\n".join(part.text for part in content)  # type: ignore[misc]  (as vLLM joins them)
+            content = "\n".join(_part_text(part, m.role, i) for part in content)   # (as vLLM joins them)
         if calls_as_text and m.role == "assistant" and (calls or content is None):
             rendered = tools.render_calls(calls) if calls else ""
             content = "\n".join(x for x in (content, rendered) if x)
