@@ -235,6 +235,18 @@ def test_continuous_usage_stats(client):
     assert all(c.usage is not None and c.usage.prompt_tokens == 5 for c in chunks)
     seen = [c.usage.completion_tokens for c in chunks]
     assert seen == sorted(seen) and seen[-1] == 6 and chunks[-1].usage.total_tokens == 11
+    # with n > 1 each chunk counts its own choice's tokens, as vLLM does (it summed over all
+    # choices); batched prompts: its own prompt's
+    chunks = list(client.completions.create(model=MODEL, prompt=["usage", "usage two"], n=2, max_tokens=6,
+                                            stream=True, extra_body={"ignore_eos": True}, stream_options={
+                                                "include_usage": True, "continuous_usage_stats": True}))
+    last: dict[int, int] = {}
+    for c in chunks:
+        for ch in c.choices:
+            assert c.usage.prompt_tokens == (5 if ch.index < 2 else 9)
+            assert c.usage.completion_tokens >= last.get(ch.index, 0)
+            last[ch.index] = c.usage.completion_tokens
+    assert last == {0: 6, 1: 6, 2: 6, 3: 6}
 
 
 def test_sdk_typed_parameters_refused(client):

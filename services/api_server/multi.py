@@ -194,10 +194,10 @@ async def _sse(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway, rid
     reason: str | None = "client_disconnected"
     metrics.inflight.inc()
 
-    def chunk(entries: list[dict[str, Any]]) -> bytes:
-        if p.continuous_usage:       # the tokens streamed so far, over all choices
-            pt = sum(len(s.prompt) for s in subs if s.j == 0)
-            ct = 0 if p.drop_output else sum(st.sent for st in streams)
+    def chunk(st: StreamChoice, entries: list[dict[str, Any]]) -> bytes:
+        if p.continuous_usage:       # this chunk's choice: its prompt and its tokens so far, as vLLM counts
+            pt = len(st.prompt)
+            ct = 0 if p.drop_output else st.sent
             extra["usage"] = {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
         return b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": p.model,
                                          "choices": entries, **extra}) + b"\n\n"
@@ -206,7 +206,7 @@ async def _sse(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway, rid
             for st in streams:
                 entries = st.poll()
                 for e in entries:        # one choice per chunk, as vLLM streams them
-                    yield chunk([e])
+                    yield chunk(st, [e])
             broken = next((s for s in subs if s.ch.finish in ("error", "abort")), None)
             if broken is not None:
                 reason = "engine_error"
