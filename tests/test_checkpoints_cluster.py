@@ -16,6 +16,7 @@ openai = pytest.importorskip("openai")
 
 from tests.conftest import start_cluster  # noqa: E402
 from tests.hf_checkpoints import TOOLS_CHAT_TEMPLATE, make_checkpoint  # noqa: E402
+from tests.test_checkpoint_structured import PERSON, WEATHER  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -113,14 +114,6 @@ def test_tokenize_detokenize_and_tokenizer_info_use_the_checkpoints_tokenizer(se
     info = httpx.get(f"{base}/tokenizer_info", timeout=30).json()
     assert info["vocab_size"] == len(hf_tok) and info["eos_token"] == "<|im_end|>"
     assert info["chat_template"] == hf_tok.chat_template
-
-
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-    "additionalProperties": False}}}
 
 
 def _person(text: str) -> None:
