@@ -24,3 +24,14 @@ def test_an_api_server_with_no_requests_left_is_forgotten():
     lv.observe(0.0, {"a": False})
     lv.observe(1.0, {})                               # its requests finished here
     assert lv.observe(6.0, {"a": False}) == set()     # a new request of it: a new grace
+
+
+def test_lapses_while_this_ranks_writes_are_refused_say_nothing():
+    # (Redis at maxmemory refused every write for 10 s but answered reads: the api-servers'
+    # alive keys lapsed, and every rank aborted the requests of api-servers that were alive)
+    lv = ApiLiveness(grace_s=5.0)
+    for t in range(0, 12):                                    # writes refused from t=0 to t=10
+        assert lv.observe(float(t), {"a": False}, writes_failed_at=float(min(t, 10))) == set()
+    assert lv.observe(15.0, {"a": False}, writes_failed_at=10.0) == set()     # the grace counts from here
+    assert lv.observe(19.0, {"a": False}, writes_failed_at=10.0) == set()
+    assert lv.observe(20.5, {"a": False}, writes_failed_at=10.0) == {"a"}     # a real absence still ends it

@@ -89,3 +89,24 @@ def test_a_retire_drops_the_stale_copy_and_spares_a_newer_one():
     ingest(st, [(b"3-0", _entry(epoch=1, generated=[7]))], log)
     ingest(st, [(b"4-0", _retire(0))], log)
     assert st.core.get("r1").epoch == 1 and st.acks[-1] == b"4-0"
+
+
+def test_a_resumed_copy_runs_where_the_old_one_ended_but_its_end_is_not_written_yet():
+    """Redis refused writes (maxmemory): the api-servers' alive keys lapsed, so this rank
+    aborted their requests, and the aborts waited in ``aborted`` for a write that Redis
+    refused too. Meanwhile the api-server resumed r1 (a newer epoch) here: it was dropped as
+    a second copy, and its stream hung with half its text."""
+    st, log = _state(), _Log()
+    ingest(st, [(b"1-0", _entry())], log)
+    _run_steps(st, 3)
+    st.aborted.append(st.core.abort("r1"))               # the abort whose delta is not written yet
+    ingest(st, [(b"2-0", _entry(epoch=1, generated=[7, 7]))], log)
+    seq = st.core.get("r1")
+    assert seq is not None and seq.epoch == 1 and seq.generated == [7, 7]
+    assert st.entry_of["r1"] == b"2-0" and st.acks == [b"1-0"] and st.aborted == []
+    # a copy of the same epoch as the ended one is still a duplicate: dropped, the end kept
+    st2, log = _state(), _Log()
+    ingest(st2, [(b"1-0", _entry())], log)
+    st2.aborted.append(st2.core.abort("r1"))
+    ingest(st2, [(b"2-0", _entry())], log)
+    assert st2.core.get("r1") is None and len(st2.aborted) == 1 and st2.acks == [b"2-0"]

@@ -5,7 +5,9 @@ the requests of an api-server whose key is gone (nobody would read their tokens)
 can also lapse while the api-server is alive: a Redis failover or restart that outlasts
 the TTL. So a missing key only counts once it has stayed missing for ``grace_s`` of
 successful checks; seen again, the api-server is forgiven. A check that could not reach
-Redis says nothing."""
+Redis says nothing, and neither does one made while this rank's own writes are refused (a
+Redis at maxmemory, or failing over, still answers reads: the api-servers' refreshes are
+refused the same way), within ``grace_s`` of its last refused write: it forgives all."""
 
 from __future__ import annotations
 
@@ -15,8 +17,12 @@ class ApiLiveness:
         self.grace_s = grace_s
         self._missing_since: dict[str, float] = {}
 
-    def observe(self, now: float, alive: dict[str, bool]) -> set[str]:
-        """The api-servers to treat as dead after one successful check at ``now``."""
+    def observe(self, now: float, alive: dict[str, bool], writes_failed_at: float = float("-inf")) -> set[str]:
+        """The api-servers to treat as dead after one successful check at ``now``;
+        ``writes_failed_at``: when this rank last had a write to Redis refused."""
+        if now - writes_failed_at < self.grace_s:
+            self._missing_since.clear()
+            return set()
         dead = set()
         for api, ok in alive.items():
             if ok:

@@ -13,9 +13,12 @@ from shared import keys as K
 
 
 async def watch_api_servers(r: Any, keys: K.Keys, core: Any, heartbeat_s: float,
-                            on_aborted: Callable[[Any], None], log: Any) -> None:
+                            on_aborted: Callable[[Any], None], log: Any,
+                            writes_failed_at: Callable[[], float] = lambda: float("-inf")) -> None:
     """Every heartbeat, check the alive keys of the api-servers owning ``core``'s requests;
-    abort those of the dead ones (``on_aborted`` gets each aborted sequence)."""
+    abort those of the dead ones (``on_aborted`` gets each aborted sequence).
+    ``writes_failed_at``: when the rank's step loop last had a write refused (a lapse then
+    is Redis's, not the api-server's: api_liveness.py)."""
     liveness = ApiLiveness(grace_s=max(5.0, 5 * heartbeat_s))
     while True:
         apis = sorted({q.api for q in (*core.running, *core.waiting)})
@@ -25,7 +28,8 @@ async def watch_api_servers(r: Any, keys: K.Keys, core: Any, heartbeat_s: float,
                 for api in apis:
                     pipe.exists(keys.api_alive(api))
                 res = await pipe.execute()
-                dead = liveness.observe(time.monotonic(), {api: bool(alive) for api, alive in zip(apis, res)})
+                dead = liveness.observe(time.monotonic(), {api: bool(alive) for api, alive in zip(apis, res)},
+                                        writes_failed_at())
                 if dead:
                     _abort_owned_by(core, dead, on_aborted, log)
             except Exception as exc:  # noqa: BLE001 - checked again next beat

@@ -5,6 +5,7 @@ ones again, page by page; entries a wake-up read admitted before they were claim
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from services.engine_worker.rank_state import RankState
@@ -42,6 +43,7 @@ class InboxReader:
                                       stop=self.stopping, stop_grace_s=STOPPING_REDIS_GRACE_S)
 
     async def on_redis_retry(self) -> None:
+        self.state.redis_failed_at = time.monotonic()   # (the api-server watch discounts lapses now)
         # A reply may have been lost after the server delivered inbox entries to us: read
         # this consumer's pending entries once more (ingest ignores what it already has).
         # A restarted server may have lost the consumer group: recreate it.

@@ -80,15 +80,38 @@ def supersede(state: RankState, req: Request, eid: bytes, log: Any) -> bool:
     continues from the tokens the client has; dropping the new one would stall the stream
     for good. True when the old copy was dropped."""
     here = state.core.get(req.id)
-    if here is None or req.epoch <= here.epoch:
+    if here is None:
+        # The copy here already ended (an abort: its api-server looked dead while Redis
+        # refused writes) and its final delta waits for the next write: the newer epoch
+        # must still run, and that delta, of an epoch its api-server ignores, goes unsent
+        # (sent later, its forget() would drop the new copy's tables).
+        here = _take_pending_end(state, req.id, req.epoch)
+        if here is None:
+            return False
+    elif req.epoch <= here.epoch:
         return False
-    state.core.abort(req.id)
+    else:
+        state.core.abort(req.id)
     old = state.forget(req.id)
     if old is not None and old != eid:
         state.acks.append(old)   # (already acked by the scan that resumed it: a no-op then)
     log.warning("request_superseded", request_id=req.id, epoch=req.epoch, old_epoch=here.epoch,
                 streamed=len(req.generated), had=len(here.generated))
     return True
+
+
+def _take_pending_end(state: RankState, seq_id: str, epoch: int) -> Any:
+    """The ended copy of ``seq_id`` older than ``epoch`` whose final delta is not written
+    yet, taken out of the pending list; None where there is none."""
+    for pending in (state.aborted, state.early):
+        for i, item in enumerate(pending):
+            seq = getattr(item, "seq", item)    # early: outputs (seq + finish); aborted: sequences
+            if seq.id == seq_id:
+                if seq.epoch >= epoch:
+                    return None
+                del pending[i]
+                return seq
+    return None
 
 
 def retire(state: RankState, rt: Retire, log: Any) -> None:

@@ -43,6 +43,7 @@ class RankState:
     idle_forwards: int = 0
     exchange_s: float = 0.0      # wall time in the step collective (incl. waiting for peers)
     reform_requested: bool = False   # a replacement's notice arrived while paused
+    redis_failed_at: float = float("-inf")   # monotonic time of the step loop's last refused Redis round trip
 
     def forget(self, seq_id: str) -> bytes | None:
         """Drop what is kept for a finished request; its inbox entry id (to ack), if any."""
