@@ -14,9 +14,11 @@ import openai
 import pytest
 import redis
 
+from shared.tokenizer import encode
 from tests.conftest import start_cluster
+from tests.helpers import sim_expected_text
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _ranks(cluster) -> dict[int, int]:
@@ -63,6 +65,58 @@ def test_a_moment_of_full_redis_kills_no_rank_and_loses_no_token(tmp_path):
         assert _ranks(cluster) == before               # no rank died and was replaced
         status = json.loads(cluster.cli("status", "--json").stdout)
         assert status["scheduler"]["counters"].get("resumed", 0) == 0   # (absent while none)
+    finally:
+        admin.config_set("maxmemory", "0")
+        admin.close()
+        cluster.stop()
+
+
+def test_a_full_redis_that_outlasts_every_heartbeat_loses_no_stream(tmp_path):
+    """Ten seconds of refused writes (reads still answered): longer than the api-servers'
+    alive keys and the ranks' heartbeats live. Every rank took the live api-servers for dead
+    and aborted their requests (the abort's delta then waited for a write), the api-server
+    resumed them as newer copies on the same ranks, and those were dropped as duplicates:
+    streams hung with half their text. Each must end with exactly the sim's text."""
+    cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim", "--spares", "0")
+    admin = redis.Redis.from_url(cluster.redis_url)
+    try:
+        client = openai.OpenAI(base_url=cluster.api_url, api_key="x", max_retries=0, timeout=150)
+        client.completions.create(model="lockstep-moe", prompt="warm", max_tokens=2)
+        n, want = 6, 600
+        started = threading.Barrier(n + 1, timeout=60)
+        texts: dict[int, str] = {}
+        errors: list[BaseException] = []
+
+        def stream(i: int) -> None:
+            out, first = [], True
+            try:
+                for c in client.completions.create(model="lockstep-moe", prompt=f"stream {i}", max_tokens=want,
+                                                   seed=i, stream=True, extra_body={"ignore_eos": True}):
+                    if c.choices:
+                        out.append(c.choices[0].text)
+                        if first:
+                            first = False
+                            started.wait()
+                texts[i] = "".join(out)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                errors.append(exc)
+                if first:
+                    started.abort()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        started.wait()                                  # every stream has tokens
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", "1")
+        time.sleep(10.0)                                # the fault's length
+        admin.config_set("maxmemory", "0")
+        for t in threads:
+            t.join(150)
+        assert not any(t.is_alive() for t in threads), "a stream hung"
+        assert not errors, errors
+        for i in range(n):
+            assert texts[i] == sim_expected_text(encode(f"stream {i}"), want, seed=i), i
     finally:
         admin.config_set("maxmemory", "0")
         admin.close()
