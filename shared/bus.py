@@ -31,16 +31,28 @@ from shared.replies import as_str
 T = TypeVar("T")
 
 
-# ResponseError codes that refuse only for now (is_transient)
-_REFUSED_FOR_NOW = ("UNBLOCKED", "MISCONF", "NOREPLICAS")
+# ResponseError codes that refuse only for now (is_transient). "BUSY " with its space:
+# BUSYGROUP (a consumer group that exists) is an answer, not a refusal.
+_REFUSED_FOR_NOW = ("UNBLOCKED", "MISCONF", "NOREPLICAS", "BUSY ", "MASTERDOWN")
+# redis-py rewrites a pipelined command's error as "Command # 1 (XADD ...) of pipeline
+# caused error: MISCONF ...": the code is after this
+_PIPELINE_ERROR = " of pipeline caused error: "
 
 
 def is_transient(exc: BaseException) -> bool:
     """A Redis error that goes away by itself: connection trouble, or a failover in progress
-    (a blocked read ends with UNBLOCKED when its server becomes a replica), or writes refused
-    until the server recovers (below, and MISCONF: a failed RDB save, e.g. a full disk under
-    ``lockstep up --persist``; NOREPLICAS: too few replicas for min-replicas-to-write)."""
-    return isinstance(exc, TRANSIENT) or (isinstance(exc, ResponseError) and str(exc).startswith(_REFUSED_FOR_NOW))
+    (a blocked read ends with UNBLOCKED when its server becomes a replica; MASTERDOWN: a
+    replica that lost its primary), or writes refused until the server recovers (below, and
+    MISCONF: a failed RDB save, e.g. a full disk under ``lockstep up --persist``;
+    NOREPLICAS: too few replicas for min-replicas-to-write; BUSY: a Lua script past
+    busy-reply-threshold), whether a lone command or a pipeline's got it."""
+    if isinstance(exc, TRANSIENT):
+        return True
+    if not isinstance(exc, ResponseError):
+        return False
+    msg = str(exc)
+    at = msg.find(_PIPELINE_ERROR)
+    return (msg[at + len(_PIPELINE_ERROR):] if at >= 0 else msg).startswith(_REFUSED_FOR_NOW)
 
 
 # Connection trouble, and what a failover looks like from a client: a cluster slot with no

@@ -106,10 +106,60 @@ def test_stop_ends_the_wait_and_a_lasting_error_is_raised_at_once(redis_url, nam
     ("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.", True),
     ("NOREPLICAS Not enough good replicas to write.", True),
     ("UNBLOCKED force unblock from blocking operation", True),
+    ("BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.", True),
+    ("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.", True),
     # a bug or a misconfiguration does not go away by waiting: raised at once
     ("WRONGTYPE Operation against a key holding the wrong kind of value", False),
     ("ERR unknown command 'FOO'", False),
+    ("BUSYGROUP Consumer Group name already exists", False),
 ])
 def test_which_refusals_are_waited_out(error, transient):
     from redis._parsers.base import BaseParser
     assert is_transient(BaseParser.parse_error(error)) is transient
+    # as a pipeline's command gets it, redis-py rewrites the message: MISCONF and BUSY in a
+    # rank's step pipeline were raised, and every rank of the group died
+    piped = BaseParser.parse_error(error)
+    piped.args = (f"Command # 1 (XADD ls:out:api-a * d x) of pipeline caused error: {piped.args[0]}",)
+    assert is_transient(piped) is transient
+
+
+def test_a_pipeline_outlasts_a_busy_script(redis_url, namespace):
+    """A Lua script past busy-reply-threshold makes Redis answer BUSY to every command: the
+    recorded pipeline waits it out and then runs (a rank raised and died on it)."""
+    import threading
+
+    import redis as sync_redis
+
+    admin = sync_redis.Redis.from_url(redis_url)
+    old = admin.config_get("busy-reply-threshold").get("busy-reply-threshold", "5000")
+    admin.config_set("busy-reply-threshold", "20")
+    busy_loop = ("local t = redis.call('TIME') local s = t[1] * 1e6 + t[2] "
+                 "while true do local n = redis.call('TIME') if n[1] * 1e6 + n[2] - s > 1500000 then break end end "
+                 "return 1")
+    script = threading.Thread(target=lambda: sync_redis.Redis.from_url(redis_url).eval(busy_loop, 0))
+
+    async def go() -> None:
+        r, log = connect(redis_url), _Log()
+        try:
+            script.start()
+            probe = sync_redis.Redis.from_url(redis_url)
+            for _ in range(200):                      # until Redis answers BUSY
+                try:
+                    probe.ping()
+                except sync_redis.ResponseError as exc:
+                    assert str(exc).startswith("BUSY")
+                    break
+                await asyncio.sleep(0.01)
+            rec = Recorder()
+            rec.xadd(f"{namespace}:s", {"d": b"1"})
+            rec.xlen(f"{namespace}:s")
+            _, n = await asyncio.wait_for(execute_recorded(r, rec, log=log), 30)
+            assert n == 1 and log.fields["redis_reconnected"]["attempts"] >= 1
+        finally:
+            await r.aclose()
+    try:
+        asyncio.run(go())
+    finally:
+        script.join(30)
+        admin.config_set("busy-reply-threshold", old)
+        admin.close()
