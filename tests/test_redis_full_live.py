@@ -71,12 +71,15 @@ def test_a_moment_of_full_redis_kills_no_rank_and_loses_no_token(tmp_path):
         cluster.stop()
 
 
-def test_a_full_redis_that_outlasts_every_heartbeat_loses_no_stream(tmp_path):
-    """Ten seconds of refused writes (reads still answered): longer than the api-servers'
-    alive keys and the ranks' heartbeats live. Every rank took the live api-servers for dead
-    and aborted their requests (the abort's delta then waited for a write), the api-server
-    resumed them as newer copies on the same ranks, and those were dropped as duplicates:
-    streams hung with half their text. Each must end with exactly the sim's text."""
+@pytest.mark.parametrize("fault", ["full", "write_pause"])
+def test_a_full_redis_that_outlasts_every_heartbeat_loses_no_stream(tmp_path, fault):
+    """Ten seconds of refused writes (``full``: maxmemory) or blocked ones (``write_pause``:
+    CLIENT PAUSE WRITE, as a FAILOVER does), reads still answered: longer than the
+    api-servers' alive keys and the ranks' heartbeats live. Every rank took the live
+    api-servers for dead and aborted their requests (the abort's delta then waited for a
+    write), the api-server resumed them as newer copies on the same ranks, and those were
+    dropped as duplicates: streams hung with half their text. Each must end with exactly
+    the sim's text."""
     cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim", "--spares", "0")
     admin = redis.Redis.from_url(cluster.redis_url)
     try:
@@ -107,10 +110,15 @@ def test_a_full_redis_that_outlasts_every_heartbeat_loses_no_stream(tmp_path):
         for t in threads:
             t.start()
         started.wait()                                  # every stream has tokens
-        admin.config_set("maxmemory-policy", "noeviction")
-        admin.config_set("maxmemory", "1")
-        time.sleep(10.0)                                # the fault's length
-        admin.config_set("maxmemory", "0")
+        if fault == "full":
+            admin.config_set("maxmemory-policy", "noeviction")
+            admin.config_set("maxmemory", "1")
+            time.sleep(10.0)                            # the fault's length
+            admin.config_set("maxmemory", "0")
+        else:
+            admin.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+            time.sleep(10.0)
+            admin.execute_command("CLIENT", "UNPAUSE")
         for t in threads:
             t.join(150)
         assert not any(t.is_alive() for t in threads), "a stream hung"
@@ -119,5 +127,6 @@ def test_a_full_redis_that_outlasts_every_heartbeat_loses_no_stream(tmp_path):
             assert texts[i] == sim_expected_text(encode(f"stream {i}"), want, seed=i), i
     finally:
         admin.config_set("maxmemory", "0")
+        admin.execute_command("CLIENT", "UNPAUSE")
         admin.close()
         cluster.stop()

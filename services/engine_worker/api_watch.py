@@ -17,8 +17,8 @@ async def watch_api_servers(r: Any, keys: K.Keys, core: Any, heartbeat_s: float,
                             writes_failed_at: Callable[[], float] = lambda: float("-inf")) -> None:
     """Every heartbeat, check the alive keys of the api-servers owning ``core``'s requests;
     abort those of the dead ones (``on_aborted`` gets each aborted sequence).
-    ``writes_failed_at``: when the rank's step loop last had a write refused (a lapse then
-    is Redis's, not the api-server's: api_liveness.py)."""
+    ``writes_failed_at``: when the rank's step loop last had a write refused or stuck (a
+    lapse then is Redis's, not the api-server's: api_liveness.py)."""
     liveness = ApiLiveness(grace_s=max(5.0, 5 * heartbeat_s))
     while True:
         apis = sorted({q.api for q in (*core.running, *core.waiting)})

@@ -39,8 +39,12 @@ class InboxReader:
         """One round trip; through a Redis outage it backs off and replays (the work on
         this rank stays in memory; readers dedupe, so a replayed write is harmless)."""
         self.state.round_trips += 1
-        return await execute_recorded(self.r, pipe, log=self.log, what="step", on_retry=self.on_redis_retry,
-                                      stop=self.stopping, stop_grace_s=STOPPING_REDIS_GRACE_S)
+        self.state.redis_waiting_since = time.monotonic()
+        try:
+            return await execute_recorded(self.r, pipe, log=self.log, what="step", on_retry=self.on_redis_retry,
+                                          stop=self.stopping, stop_grace_s=STOPPING_REDIS_GRACE_S)
+        finally:
+            self.state.redis_waiting_since = None
 
     async def on_redis_retry(self) -> None:
         self.state.redis_failed_at = time.monotonic()   # (the api-server watch discounts lapses now)

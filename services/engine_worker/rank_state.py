@@ -17,6 +17,9 @@ from services.engine_worker.sequence import Sequence
 from services.engine_worker.step_logprobs import StepLogprobs
 
 
+SLOW_ROUND_TRIP_S = 1.0   # a step's Redis round trip takes a millisecond or two
+
+
 @dataclass
 class RankState:
     rank: int
@@ -44,6 +47,16 @@ class RankState:
     exchange_s: float = 0.0      # wall time in the step collective (incl. waiting for peers)
     reform_requested: bool = False   # a replacement's notice arrived while paused
     redis_failed_at: float = float("-inf")   # monotonic time of the step loop's last refused Redis round trip
+    redis_waiting_since: float | None = None   # a step-loop round trip in flight since (monotonic), or None
+
+    def redis_trouble_at(self, now: float) -> float:
+        """When this rank last found Redis refusing its writes, or not answering them: a
+        round trip in flight for over a second (a write pause, CLIENT PAUSE WRITE as a
+        FAILOVER does, blocks writes where a full Redis refuses them) counts as now."""
+        since = self.redis_waiting_since
+        if since is not None and now - since > SLOW_ROUND_TRIP_S:
+            return now
+        return self.redis_failed_at
 
     def forget(self, seq_id: str) -> bytes | None:
         """Drop what is kept for a finished request; its inbox entry id (to ack), if any."""

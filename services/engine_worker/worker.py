@@ -103,7 +103,7 @@ class EngineWorker:
         liveness = self.member.start_liveness()
         watcher = asyncio.create_task(watch_api_servers(self.r, self.keys, st.core, self.s.heartbeat_ms / 1000,
                                                         st.aborted.append, self.log,
-                                                        lambda: st.redis_failed_at))
+                                                        lambda: st.redis_trouble_at(time.monotonic())))
         try:
             self.reader.inbox_last, self.pauses.wave_last = await self.member.prepare_streams(self.reader.consumer)
             await self.member.announce_replacement()
