@@ -13,6 +13,7 @@ from shared import keys as K
 from shared import lease
 from shared.bus import retrying
 from shared.messages import dumps
+from shared.replies import as_str
 from shared.settings import SchedulerSettings
 
 
@@ -74,7 +75,7 @@ class Leadership:
             self.log.warning("lease_reacquired")
             await self._announce()
         if not lease.is_holder(holder, self.id):
-            self.log.error("leadership_lost", holder=holder)
+            self.log.error("leadership_lost", holder=None if holder is None else as_str(holder))
             self.stop.set()
             return
         st = self.state
