@@ -136,13 +136,13 @@ def test_a_pipeline_outlasts_a_busy_script(redis_url, namespace):
     busy_loop = ("local t = redis.call('TIME') local s = t[1] * 1e6 + t[2] "
                  "while true do local n = redis.call('TIME') if n[1] * 1e6 + n[2] - s > 1500000 then break end end "
                  "return 1")
-    script = threading.Thread(target=lambda: sync_redis.Redis.from_url(redis_url).eval(busy_loop, 0))
+    runner, probe = sync_redis.Redis.from_url(redis_url), sync_redis.Redis.from_url(redis_url)
+    script = threading.Thread(target=lambda: runner.eval(busy_loop, 0))
 
     async def go() -> None:
         r, log = connect(redis_url), _Log()
         try:
             script.start()
-            probe = sync_redis.Redis.from_url(redis_url)
             for _ in range(200):                      # until Redis answers BUSY
                 try:
                     probe.ping()
@@ -162,4 +162,5 @@ def test_a_pipeline_outlasts_a_busy_script(redis_url, namespace):
     finally:
         script.join(30)
         admin.config_set("busy-reply-threshold", old)
-        admin.close()
+        for c in (admin, runner, probe):
+            c.close()

@@ -108,3 +108,16 @@ def test_the_api_server_takes_structured_output_and_forced_calls_for_a_checkpoin
     assert p.params.guide[0] == "json" and p.tool_call.mode == "required"
     # what the engine will run compiles for these tokens
     assert grammar.check(*p.params.guide, tok.grammar_vocab) is None
+
+
+def test_a_checkpoint_that_names_no_eos_refuses_structured_output(tok):
+    # nothing could end a finished grammar's output: a 400 naming the field, not a run to max_tokens
+    from services.api_server.errors import ApiError
+    bare = HFTokenizer(tok.model_dir)
+    bare.eos_token_ids = ()
+    assert bare.grammar_vocab is None
+    with pytest.raises(ApiError) as err:
+        parse({"model": "m", "prompt": "x", "guided_regex": r"\d+"}, "completion", served_model="m",
+              max_model_len=512, num_ranks=1, tok=bare)
+    assert err.value.status == 400 and err.value.param == "guided_regex" and "EOS" in err.value.message
+    parse({"model": "m", "prompt": "x"}, "completion", served_model="m", max_model_len=512, num_ranks=1, tok=bare)

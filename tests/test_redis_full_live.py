@@ -126,7 +126,7 @@ def test_a_full_redis_that_outlasts_every_heartbeat_loses_no_stream(tmp_path, fa
         for i in range(n):
             assert texts[i] == sim_expected_text(encode(f"stream {i}"), want, seed=i), i
     finally:
+        admin.execute_command("CLIENT", "UNPAUSE")     # first: a paused server would hold the next write
         admin.config_set("maxmemory", "0")
-        admin.execute_command("CLIENT", "UNPAUSE")
         admin.close()
         cluster.stop()
