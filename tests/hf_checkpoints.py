@@ -73,7 +73,8 @@ def make_tokenizer(out: Path, kind: str = "bytelevel", vocab_size: int = 384, ch
 def make_checkpoint(out: Path, arch: str, *, n_experts: int = 8, layers: int = 2, tokenizer: str | None = None,
                     chat_template: str = CHAT_TEMPLATE,
                     rope_scaling: dict | None = None, seed: int = 0, **overrides):
-    """A random ``arch`` model ('qwen3_moe', 'mixtral', 'olmoe', 'deepseek_v2', 'deepseek_v3') saved in ``out`` with a
+    """A random ``arch`` model ('qwen3_moe', 'mixtral', 'olmoe', 'deepseek_v2', 'deepseek_v3', 'qwen2_moe',
+    'glm4_moe', 'gpt_oss') saved in ``out`` with a
     tokenizer; returns the transformers model (fp32, eval) for reference forwards."""
     import torch
     from transformers import (GenerationConfig, MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
@@ -116,6 +117,29 @@ def make_checkpoint(out: Path, arch: str, *, n_experts: int = 8, layers: int = 2
     elif arch == "olmoe":
         cfg = OlmoeConfig(num_experts=n_experts, **{"norm_topk_prob": False, **common})
         cls = OlmoeForCausalLM
+    elif arch == "qwen2_moe":
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+        cfg = Qwen2MoeConfig(**{"num_experts": n_experts, "moe_intermediate_size": 16,
+                                "shared_expert_intermediate_size": 24, "norm_topk_prob": False, **common})
+        cls = Qwen2MoeForCausalLM
+    elif arch == "glm4_moe":
+        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+        cfg = Glm4MoeConfig(**{"n_routed_experts": n_experts, "n_shared_experts": 1, "moe_intermediate_size": 16,
+                               "first_k_dense_replace": 1, "head_dim": 16, "partial_rotary_factor": 0.5,
+                               "use_qk_norm": True, "attention_bias": True, "n_group": 2, "topk_group": 1,
+                               "routed_scaling_factor": 2.5, "norm_topk_prob": True, **common})
+        cls = Glm4MoeForCausalLM
+    elif arch == "gpt_oss":
+        from transformers import GptOssConfig, GptOssForCausalLM
+        # a window shorter than the tests' prompts, on alternate layers; YaRN as gpt-oss ships it, scaled down
+        cfg = GptOssConfig(**{"num_local_experts": n_experts, "head_dim": 16, "sliding_window": 6,
+                              "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                              for i in range(layers)],
+                              "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                                                  "beta_slow": 1.0, "truncate": False},
+                              **common})
+        cls = GptOssForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

@@ -1,4 +1,5 @@
-"""Real checkpoints: lockstep's Qwen3-MoE, Mixtral, OLMoE and DeepSeek-V2/V3 match transformers' own
+"""Real checkpoints: lockstep's Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V2/V3, GLM-4.5 and gpt-oss
+match transformers' own
 forward (fp32, atol 1e-4) on tiny random checkpoints made at test time, through the
 paged KV cache with chunked prefill and decode, on 1 rank and on 2 and 4 EP ranks
 (gloo, real all-to-alls); each rank reads only its own experts from the shards."""
@@ -22,13 +23,13 @@ pytest.importorskip("transformers")
 from services.engine_worker.batch import ChunkInput  # noqa: E402
 from services.engine_worker.model import TorchModelRunner  # noqa: E402
 from services.engine_worker.model.hf_config import HFConfig  # noqa: E402
-from services.engine_worker.model.loader import read_config, tensor_files  # noqa: E402
+from services.engine_worker.model.loader import Rows, read_config, tensor_files  # noqa: E402
 from services.engine_worker.model.rope import inv_freq_and_scale  # noqa: E402
 from tests.hf_checkpoints import make_checkpoint  # noqa: E402
 
 ATOL = 1e-4
 BLOCK = 4
-ARCHS = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"]
+ARCHS = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "qwen2_moe", "glm4_moe", "gpt_oss"]
 
 
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
@@ -160,7 +161,7 @@ def _ep_worker(rank: int, world: int, port: int, paths: dict[str, str], out_dir:
                          runner.logits([ChunkInput("s", prompt[6:], 6, table, True)]),
                          # rank 0 idle: it still joins every all-to-all (the idle forward)
                          runner.logits([] if rank == 0 else [ChunkInput("s", [7], len(prompt), table, True)])]
-                experts = sorted({int(n.split(".")[5]) for n in runner.model.weight_names() if ".experts." in n})
+                experts = _experts_read(runner.model.weight_names())
                 out[(name, w)] = {"prompt": prompt, "logits": [s.get("s") for s in steps], "experts": experts,
                                   "read": runner.model.bytes_read}
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -168,6 +169,15 @@ def _ep_worker(rank: int, world: int, port: int, paths: dict[str, str], out_dir:
     except BaseException:
         Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
         raise
+
+
+def _experts_read(targets: dict) -> list[int]:
+    """The experts a rank reads: by name (experts.<e>.<proj>), or the rows of a fused tensor (gpt-oss)."""
+    out: set[int] = set()
+    for name, t in targets.items():
+        if ".experts." in name:
+            out.update(range(t.start, t.stop) if isinstance(t, Rows) else [int(name.split(".")[5])])
+    return sorted(out)
 
 
 def _free_port() -> int:
@@ -178,7 +188,8 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_and_four_ep_ranks_match_transformers(checkpoints, tmp_path):
-    names = ["qwen3_moe", "mixtral", "olmoe", "qwen3_moe_dense_yarn", "deepseek_v2_full", "deepseek_v3"]
+    names = ["qwen3_moe", "mixtral", "olmoe", "qwen3_moe_dense_yarn", "deepseek_v2_full", "deepseek_v3", "qwen2_moe",
+             "glm4_moe", "gpt_oss"]
     paths = {n: str(checkpoints[n][0]) for n in names}
     world = 4
     ctx = mp.get_context("spawn")
@@ -306,3 +317,91 @@ def test_an_fp8_tensor_without_its_scale_is_refused(tmp_path):
     out = torch.empty(4, 4)
     load_weights({"w": out}, tmp_path, fp8_block=(2, 2))
     assert torch.equal(out, torch.full((4, 4), 0.5))
+
+
+def test_gpt_oss_windows_and_sinks_are_what_makes_it_match(checkpoints):
+    # gpt-oss's alternate layers see only the last sliding_window positions, and every head's
+    # softmax has a sink logit: without either, the same weights give other logits.
+    path, ref = checkpoints["gpt_oss"]
+    cfg = read_config(path)
+    assert cfg.sliding_layers == {0} and cfg.sliding_window == 6 and cfg.max_position == 512   # not capped
+    assert cfg.attn_sinks and cfg.qkv_bias and cfg.o_bias
+    prompt = _prompt(ref.config.vocab_size, 14, 5)
+    want = reference_logits(ref, prompt)[-1]
+
+    def last_logits(change=None) -> torch.Tensor:
+        runner = TorchModelRunner.from_pretrained(str(path), 0, 1, num_kv_blocks=8, block_size=BLOCK)
+        if change:
+            change(runner.model.layers[0].self_attn)
+        return runner.logits([ChunkInput("s", prompt, 0, [0, 1, 2, 3], False)])["s"]
+
+    torch.testing.assert_close(last_logits(), want, atol=ATOL, rtol=0)
+    assert (last_logits(lambda a: setattr(a, "window", 0)) - want).abs().max() > 1e-2
+    assert (last_logits(lambda a: a.sinks.data.fill_(-1e9)) - want).abs().max() > 1e-2
+
+
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, out, in] as gpt-oss's checkpoints hold it: FP4 codes two to a byte (low nibble
+    first) in blocks of 32 along ``in``, and one power-of-two scale per block (biased by 127)."""
+    from services.engine_worker.model.loader import FP4_VALUES
+
+    E, rows, cols = w.shape
+    g = w.reshape(E, rows, cols // 32, 32)
+    exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=1e-30) / 6.0))
+    lut = torch.tensor(FP4_VALUES)
+    codes = ((g / torch.exp2(exp)[..., None])[..., None] - lut).abs().argmin(-1).to(torch.uint8)   # nearest value
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def test_a_gpt_oss_mxfp4_checkpoint_is_dequantized_as_transformers_does(tmp_path):
+    # gpt-oss ships its experts in MXFP4: <name>_blocks and <name>_scales in place of <name>.
+    # Read with transformers' own dequantization as the reference, so the layout (nibble
+    # order, the scales' bias, the transpose) is theirs, not our guess of it.
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from services.engine_worker.model.loader import build_model, load_weights
+    from services.engine_worker.model.moe import AllToAll
+
+    src = tmp_path / "plain"
+    ref = make_checkpoint(src, "gpt_oss", intermediate_size=64)           # both matrices' inputs: 32 x k
+    tensors = {}
+    for shard in sorted(set(json.loads((src / "model.safetensors.index.json").read_text())["weight_map"].values())):
+        tensors.update(load_file(str(src / shard)))
+    packed = tmp_path / "mxfp4"
+    packed.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            (packed / f.name).write_bytes(f.read_bytes())
+    out, quantized = {}, 0
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = _mxfp4(t.transpose(1, 2))
+            out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+            with torch.no_grad():     # the reference model runs the same dequantized values
+                ref.get_parameter(name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            quantized += 1
+        else:
+            out[name] = t
+    save_file(out, str(packed / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                   "model.layers.*.mlp.router",
+                                                                                   "model.embed_tokens", "lm_head"]}
+    (packed / "config.json").write_text(json.dumps(cfg))
+    assert quantized == 4 and read_config(packed).mxfp4
+
+    prompt = _prompt(cfg["vocab_size"], 11, 4)
+    runner = TorchModelRunner.from_pretrained(str(packed), 0, 1, num_kv_blocks=8, block_size=BLOCK)
+    got = runner.logits([ChunkInput("s", prompt, 0, [0, 1, 2], False)])["s"]
+    torch.testing.assert_close(got, reference_logits(ref, prompt)[-1], atol=ATOL, rtol=0)
+    # an EP rank dequantizes only its own experts' rows
+    rank1 = build_model(read_config(packed), 1, 2, AllToAll(), torch.float32, "cpu")
+    load_weights(rank1.weight_names(), packed, mxfp4=True)
+    torch.testing.assert_close(rank1.layers[1].mlp.experts.down_proj.data,
+                               ref.get_parameter("model.layers.1.mlp.experts.down_proj")[4:].float(), atol=0, rtol=0)
+    # MXFP4 is gpt-oss's own format: on another architecture it is refused at the config
+    other = {**cfg, "architectures": ["MixtralForCausalLM"]}
+    with pytest.raises(ValueError, match="'mxfp4'.*not supported"):
+        HFConfig.from_dict(other)

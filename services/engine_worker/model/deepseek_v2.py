@@ -105,7 +105,7 @@ class DeepseekRouter(nn.Module):
 
     def __init__(self, cfg: HFConfig, dtype: torch.dtype, device: str | torch.device) -> None:
         super().__init__()
-        m = cfg.mla
+        m = cfg.routing
         self.top_k, self.E, self.renorm = cfg.top_k, cfg.n_experts, cfg.norm_topk_prob and cfg.top_k > 1
         self.scaling, self.method = m["routed_scaling_factor"], m["topk_method"]
         self.n_group, self.topk_group = m["n_group"], m["topk_group"]
@@ -144,8 +144,7 @@ class DeepseekMoE(SparseMoE):
                  device: str | torch.device) -> None:
         super().__init__(cfg, rank, world_size, comm, dtype, device)
         self.router = DeepseekRouter(cfg, dtype, device)
-        n = cfg.mla["n_shared_experts"]
-        self.shared_experts = SwiGLU(cfg.d_model, cfg.d_ff_expert * n, dtype, device) if n else None
+        self.shared_experts = SwiGLU(cfg.d_model, cfg.d_ff_shared, dtype, device) if cfg.d_ff_shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)

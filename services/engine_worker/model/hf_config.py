@@ -14,6 +14,9 @@ ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v2",   # V2's attention; its router: deepseek_v2.DeepseekRouter
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Glm4MoeForCausalLM": "glm4_moe",         # GLM-4.5 / 4.6: DeepSeek-V3's router and shared experts
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 
@@ -38,15 +41,33 @@ class HFConfig:
     dense_layers: frozenset[int] = field(default_factory=frozenset)   # layers with a dense MLP, no experts
     clip_qkv: float | None = None   # OLMoE: clamp q, k, v to +-clip_qkv
     eos_token_ids: tuple[int, ...] = ()
-    rope_dim: int = 0               # rotary width per head (0: head_dim); DeepSeek: qk_rope_head_dim
-    # DeepSeek-V2 (MLA + shared experts): q_lora_rank, kv_lora_rank, qk_nope_head_dim, v_head_dim,
-    # n_shared_experts, routed_scaling_factor, topk_method, n_group, topk_group. Its KV cache
+    rope_dim: int = 0               # rotary width per head (0: head_dim); DeepSeek: qk_rope_head_dim,
+                                    # GLM-4.5: head_dim x partial_rotary_factor (the rest passes unrotated)
+    qk_norm: str | None = None      # RMSNorm of q and k: "head" (per head: Qwen3, GLM-4.5 use_qk_norm) or
+                                    # "full" (over the whole projection: OLMoE); None: none
+    qkv_bias: bool = False          # q/k/v projections with a bias (Qwen2-MoE, GLM-4.5 attention_bias, gpt-oss)
+    o_bias: bool = False            # the output projection too (gpt-oss)
+    attn_sinks: bool = False        # gpt-oss: a learned per-head logit in every softmax's denominator
+    sliding_window: int = 0         # gpt-oss: keys within the last sliding_window positions, on sliding_layers
+    sliding_layers: frozenset[int] = field(default_factory=frozenset)
+    norm_fp32_weight: bool = False  # gpt-oss: RMSNorm scales by its weight before the cast back, not after
+    d_ff_shared: int = 0            # hidden width of the shared expert(s) every token also runs (0: none)
+    shared_gate: bool = False       # Qwen2-MoE: the shared expert's output times sigmoid(shared_expert_gate(x))
+    swiglu_limit: float = 0.0       # gpt-oss experts: gate clamped to <= limit, up to +-limit,
+    swiglu_alpha: float = 0.0       # then (up + 1) x gate x sigmoid(alpha x gate)
+    # DeepSeek-style routing (DeepSeek-V2/V3, GLM-4.5): topk_method, routed_scaling_factor,
+    # n_group, topk_group (deepseek_v2.DeepseekRouter)
+    routing: dict[str, Any] = field(default_factory=dict)
+    # DeepSeek-V2 (MLA): q_lora_rank, kv_lora_rank, qk_nope_head_dim, v_head_dim. Its KV cache
     # row is the compressed latent (kv_lora_rank + qk_rope_head_dim), split over the K and V
     # halves of the cache: n_kv_heads 1, head_dim half the latent (rounded up).
     mla: dict[str, Any] = field(default_factory=dict)
     # FP8 weights in tiles of (rows, cols), each with a float scale (quantization_config fp8,
     # DeepSeek-V3's own checkpoints): dequantized to the serving dtype on load
     fp8_block: tuple[int, int] | None = None
+    # MXFP4 experts (quantization_config mxfp4, gpt-oss's own checkpoints): <name>_blocks of
+    # 4-bit values and <name>_scales, one power of two per 32, dequantized on load
+    mxfp4: bool = False
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "HFConfig":
@@ -56,7 +77,7 @@ class HFConfig:
             raise ValueError(f"architecture {arch or '(none)'!r} is not supported; "
                              f"supported: {', '.join(sorted(ARCHITECTURES))}")
         name = ARCHITECTURES[arch]
-        fp8_block = quantization_block(d.get("quantization_config"))
+        fp8_block, mxfp4 = quantization(d.get("quantization_config"), name)
         n_heads = int(d["num_attention_heads"])
         d_model = int(d["hidden_size"])
         head_dim = int(d.get("head_dim") or d_model // n_heads)
@@ -67,11 +88,13 @@ class HFConfig:
         max_position = int(d.get("max_position_embeddings", 4096))
         if name == "mixtral":
             norm_topk, d_ff_expert = True, int(d["intermediate_size"])   # softmax over the top k
+        elif name == "gpt_oss":
+            norm_topk, d_ff_expert = True, int(d["intermediate_size"])   # softmax over the top k logits
         else:
             norm_topk = bool(d.get("norm_topk_prob", False))
             d_ff_expert = int(d.get("moe_intermediate_size") or d["intermediate_size"])
         dense: set[int] = set()
-        if name == "qwen3_moe":
+        if name in ("qwen3_moe", "qwen2_moe"):
             step = int(d.get("decoder_sparse_step", 1) or 1)
             dense = {i for i in range(n_layers)
                      if i in set(d.get("mlp_only_layers") or []) or (i + 1) % step != 0}
@@ -79,19 +102,42 @@ class HFConfig:
             return _deepseek_v2(d, n_heads, n_layers, n_experts, max_position, v3=arch == "DeepseekV3ForCausalLM",
                                 fp8_block=fp8_block)
         window = d.get("sliding_window")
-        if window and (name == "mixtral" or d.get("use_sliding_window")):
+        if window and name != "gpt_oss" and (name == "mixtral" or d.get("use_sliding_window")):
             # Sliding-window attention equals full attention while the context fits the window.
             max_position = min(max_position, int(window))
+        rope = rope_parameters(d)
+        extra: dict[str, Any] = {"qk_norm": {"qwen3_moe": "head", "olmoe": "full"}.get(name)}
+        if name == "qwen2_moe":
+            extra.update(qkv_bias=bool(d.get("qkv_bias", True)), shared_gate=True,
+                         d_ff_shared=int(d.get("shared_expert_intermediate_size") or 0))
+        elif name == "glm4_moe":
+            first_dense = int(d.get("first_k_dense_replace", 1))
+            dense = set(range(min(first_dense, n_layers)))
+            extra.update(qk_norm="head" if d.get("use_qk_norm") else None, qkv_bias=bool(d.get("attention_bias", False)),
+                         d_ff_shared=d_ff_expert * int(d.get("n_shared_experts") or 0),
+                         rope_dim=int(head_dim * float(rope.pop("partial_rotary_factor", 1.0))),
+                         routing=dict(topk_method="noaux_tc",
+                                      routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                                      n_group=int(d.get("n_group") or 1), topk_group=int(d.get("topk_group") or 1)))
+        elif name == "gpt_oss":
+            types = d.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                             for i in range(n_layers)]
+            bias = bool(d.get("attention_bias", True))
+            extra.update(qkv_bias=bias, o_bias=bias, attn_sinks=True, norm_fp32_weight=True,
+                         sliding_window=int(window or 0),
+                         sliding_layers=frozenset(i for i, t in enumerate(types) if t == "sliding_attention"
+                                                  and window),
+                         swiglu_limit=float(d.get("swiglu_limit", 7.0)), swiglu_alpha=float(d.get("swiglu_alpha", 1.702)))
         eos = d.get("eos_token_id")
         return HFConfig(
             architecture=name, vocab_size=int(d["vocab_size"]), d_model=d_model, n_layers=n_layers,
             n_heads=n_heads, n_kv_heads=int(d.get("num_key_value_heads") or n_heads), head_dim=head_dim,
             n_experts=n_experts, top_k=int(d["num_experts_per_tok"]), d_ff_expert=d_ff_expert,
             d_ff_dense=int(d.get("intermediate_size") or d_ff_expert), norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            max_position=max_position, rope=rope_parameters(d), norm_topk_prob=norm_topk,
+            max_position=max_position, rope=rope, norm_topk_prob=norm_topk,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), dense_layers=frozenset(dense),
-            clip_qkv=d.get("clip_qkv"), fp8_block=fp8_block,
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]))
+            clip_qkv=d.get("clip_qkv"), fp8_block=fp8_block, mxfp4=mxfp4,
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]), **extra)
 
     @property
     def rotary_dim(self) -> int:
@@ -116,46 +162,45 @@ class HFConfig:
 
     def param_bytes(self, world_size: int, bytes_per_param: int) -> dict[str, int]:
         """Weight memory of one rank: what every rank holds, and its share of the experts."""
-        d, hd = self.d_model, self.head_dim
+        d, hd, H, Hkv = self.d_model, self.head_dim, self.n_heads, self.n_kv_heads
         if self.mla:
-            return self._mla_param_bytes(world_size, bytes_per_param)
-        qk_norm = {"qwen3_moe": 2 * hd, "olmoe": (self.n_heads + self.n_kv_heads) * hd}.get(self.architecture, 0)
-        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + 2 * d + qk_norm
+            m = self.mla
+            qk = m["qk_nope_head_dim"] + self.rope_dim
+            q = d * H * qk if not m["q_lora_rank"] else d * m["q_lora_rank"] + m["q_lora_rank"] * (1 + H * qk)
+            attn = (q + d * (m["kv_lora_rank"] + self.rope_dim) + m["kv_lora_rank"] * (1 + H * (m["qk_nope_head_dim"]
+                    + m["v_head_dim"])) + H * m["v_head_dim"] * d + 2 * d)
+        else:
+            qk_norm = {"full": (H + Hkv) * hd, "head": 2 * hd}.get(self.qk_norm or "", 0)
+            attn = (d * hd * (2 * H + 2 * Hkv) + 2 * d + qk_norm + (H + 2 * Hkv) * hd * self.qkv_bias
+                    + d * self.o_bias + H * self.attn_sinks)
         moe_layers = self.n_layers - len(self.dense_layers)
+        router = self.n_experts * (d + (self.architecture == "gpt_oss"))      # gpt-oss's router has a bias
+        shared_expert = 3 * d * self.d_ff_shared + d * self.shared_gate
         shared = (self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d
-                  + self.n_layers * attn + moe_layers * self.n_experts * d
+                  + self.n_layers * attn + moe_layers * (router + shared_expert)
                   + len(self.dense_layers) * 3 * d * self.d_ff_dense)
-        experts = moe_layers * (self.n_experts // world_size) * 3 * d * self.d_ff_expert
-        return {"shared": shared * bytes_per_param, "experts": experts * bytes_per_param}
-
-    def _mla_param_bytes(self, world_size: int, bytes_per_param: int) -> dict[str, int]:
-        m, d, H = self.mla, self.d_model, self.n_heads
-        qk = m["qk_nope_head_dim"] + self.rope_dim
-        q = d * H * qk if not m["q_lora_rank"] else d * m["q_lora_rank"] + m["q_lora_rank"] * (1 + H * qk)
-        attn = (q + d * (m["kv_lora_rank"] + self.rope_dim) + m["kv_lora_rank"] * (1 + H * (m["qk_nope_head_dim"]
-                + m["v_head_dim"])) + H * m["v_head_dim"] * d + 2 * d)
-        moe_layers = self.n_layers - len(self.dense_layers)
-        shared = (self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d + self.n_layers * attn
-                  + moe_layers * (self.n_experts * d + 3 * d * self.d_ff_expert * m["n_shared_experts"])
-                  + len(self.dense_layers) * 3 * d * self.d_ff_dense)
-        experts = moe_layers * (self.n_experts // world_size) * 3 * d * self.d_ff_expert
+        per_expert = 3 * d * self.d_ff_expert + (2 * self.d_ff_expert + d) * (self.architecture == "gpt_oss")
+        experts = moe_layers * (self.n_experts // world_size) * per_expert
         return {"shared": shared * bytes_per_param, "experts": experts * bytes_per_param}
 
     def kv_bytes_per_token(self, bytes_per_elem: int) -> int:
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * bytes_per_elem
 
 
-def quantization_block(qc: dict[str, Any] | None) -> tuple[int, int] | None:
-    """The FP8 tile of a ``quantization_config`` (None: not quantized); any other
-    quantization is refused, with what to use instead."""
+def quantization(qc: dict[str, Any] | None, architecture: str) -> tuple[tuple[int, int] | None, bool]:
+    """(the FP8 tile, MXFP4 experts) of a ``quantization_config``; (None, False): not
+    quantized. Any other quantization is refused, with what to use instead."""
     if not qc:
-        return None
+        return None, False
     method = qc.get("quant_method")
     block = qc.get("weight_block_size")
     if method == "fp8" and block and len(block) == 2 and qc.get("fmt", "e4m3") == "e4m3":
-        return int(block[0]), int(block[1])
-    raise ValueError(f"quantization {method!r} ({qc}) is not supported: lockstep loads bf16/fp32 checkpoints and "
-                     "block-scaled FP8 (quant_method fp8 with weight_block_size, as DeepSeek-V3's); use one of those")
+        return (int(block[0]), int(block[1])), False
+    if method == "mxfp4" and architecture == "gpt_oss":
+        return None, True
+    raise ValueError(f"quantization {method!r} ({qc}) is not supported: lockstep loads bf16/fp32 checkpoints, "
+                     "block-scaled FP8 (quant_method fp8 with weight_block_size, as DeepSeek-V3's) and gpt-oss's "
+                     "MXFP4 experts; use one of those")
 
 
 def _deepseek_v2(d: dict[str, Any], n_heads: int, n_layers: int, n_experts: int, max_position: int,
@@ -182,13 +227,12 @@ def _deepseek_v2(d: dict[str, Any], n_heads: int, n_layers: int, n_experts: int,
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         dense_layers=frozenset(i for i in range(n_layers) if i < first_dense or i % freq),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]), rope_dim=rope_dim,
-        fp8_block=fp8_block,
+        fp8_block=fp8_block, d_ff_shared=int(d["moe_intermediate_size"]) * int(d.get("n_shared_experts") or 0),
+        routing={"routed_scaling_factor": float(d.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
+                 "topk_method": method, "n_group": d.get("n_group", 8 if v3 else None),
+                 "topk_group": d.get("topk_group", 4 if v3 else None)},
         mla={"q_lora_rank": d.get("q_lora_rank"), "kv_lora_rank": kv_lora,
              "qk_nope_head_dim": int(d["qk_nope_head_dim"]), "v_head_dim": int(d["v_head_dim"]),
-             "n_shared_experts": int(d.get("n_shared_experts") or 0),
-             "routed_scaling_factor": float(d.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
-             "topk_method": method, "n_group": d.get("n_group", 8 if v3 else None),
-             "topk_group": d.get("topk_group", 4 if v3 else None),
              # V3: rotary pairs interleaved (DeepSeek's layout) unless the config says otherwise
              "rope_interleave": bool(d.get("rope_interleave", True))})
 

@@ -1,8 +1,9 @@
 """Building blocks of the Hugging Face-format models: parameters that a checkpoint fills,
 RMSNorm as HF computes it, GQA paged attention, the SwiGLU MLP, the softmax top-k router
-and the decoder stack the per-architecture files (qwen3_moe.py, mixtral.py, olmoe.py)
-assemble. Every parameter is registered under the checkpoint's own tensor name, so
-the loader needs no per-architecture table beyond ``weight_names``."""
+and the decoder stack the per-architecture files (qwen3_moe.py, mixtral.py, olmoe.py,
+qwen2_moe.py, glm4_moe.py, gpt_oss.py) assemble. Every parameter is registered under the
+checkpoint's own tensor name, so the loader needs no per-architecture table beyond
+``weight_names``."""
 
 from __future__ import annotations
 
@@ -24,23 +25,28 @@ def empty(*shape: int, dtype: torch.dtype, device: str | torch.device) -> nn.Par
 
 
 class RMSNorm(nn.Module):
-    """As HF computes it: normalize in float32, cast back, then scale by the weight."""
+    """As HF computes it: normalize in float32, cast back, then scale by the weight
+    (``fp32_weight``: scale first, then cast back, as gpt-oss does)."""
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: str | torch.device,
+                 fp32_weight: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.fp32_weight = eps, fp32_weight
         self.weight = empty(dim, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return (self.weight * h).to(x.dtype) if self.fp32_weight else self.weight * h.to(x.dtype)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BatchLayout,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, window: int = 0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (already rotated). Writes k/v to their slots, then
-    each chunk attends causally over its whole cached context. Returns [T, H*D]."""
+    each chunk attends causally over its whole cached context (``window``: only its last
+    ``window`` positions, the query's own included). ``sinks`` [H]: a logit per head that
+    joins every softmax's denominator and contributes no value (gpt-oss). Returns [T, H*D]."""
     T, H, D = q.shape
     Hkv = k.shape[1]
     k_slots, v_slots = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
@@ -51,23 +57,42 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: B
     if Hkv != H:                                                # GQA: each KV head serves H/Hkv query heads
         kc, vc = kc.repeat_interleave(H // Hkv, 1), vc.repeat_interleave(H // Hkv, 1)
     qp = q[layout.q_index].transpose(1, 2)                       # [B, H, Qmax, D]
-    out = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=layout.attn_mask)
+    mask = layout.attn_mask
+    if window:
+        q_pos = layout.positions[layout.q_index]                  # [B, Qmax]
+        j = torch.arange(kc.shape[2], device=q.device)
+        # padding queries keep the causal mask alone, so no row is all masked
+        near = (j[None, None, :] > q_pos[:, :, None] - window) | ~layout.q_valid[:, :, None]
+        mask = mask & near[:, None]
+    if sinks is None:
+        out = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=mask)
+    else:
+        scores = (qp.float() @ kc.float().transpose(-1, -2)) * D ** -0.5
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.float().view(1, H, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        out = (probs @ vc.float()).to(q.dtype)
     return out.transpose(1, 2)[layout.q_valid].reshape(T, H * D)
 
 
 class Attention(nn.Module):
     """GQA attention with the q/k normalization an architecture asks for:
     ``qk_norm`` None (Mixtral), "head" (Qwen3: per head, over head_dim) or "full"
-    (OLMoE: over the whole projection, before the heads are split)."""
+    (OLMoE: over the whole projection, before the heads are split); biases, a partial
+    rotary width (GLM-4.5), sinks and a sliding ``window`` (gpt-oss) as the config says."""
 
-    def __init__(self, cfg: HFConfig, qk_norm: str | None, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(self, cfg: HFConfig, qk_norm: str | None, dtype: torch.dtype, device: str | torch.device,
+                 window: int = 0) -> None:
         super().__init__()
         d, H, Hkv, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.H, self.Hkv, self.D, self.clip = H, Hkv, D, cfg.clip_qkv
-        self.q_proj = Linear(H * D, d, dtype, device)
-        self.k_proj = Linear(Hkv * D, d, dtype, device)
-        self.v_proj = Linear(Hkv * D, d, dtype, device)
-        self.o_proj = Linear(d, H * D, dtype, device)
+        self.rot, self.window = cfg.rotary_dim, window
+        self.q_proj = Linear(H * D, d, dtype, device, cfg.qkv_bias)
+        self.k_proj = Linear(Hkv * D, d, dtype, device, cfg.qkv_bias)
+        self.v_proj = Linear(Hkv * D, d, dtype, device, cfg.qkv_bias)
+        self.o_proj = Linear(d, H * D, dtype, device, cfg.o_bias)
+        if cfg.attn_sinks:
+            self.sinks = empty(H, dtype=dtype, device=device)
         self.qk_norm = qk_norm
         if qk_norm is not None:
             qn, kn = (D, D) if qk_norm == "head" else (H * D, Hkv * D)
@@ -87,19 +112,27 @@ class Attention(nn.Module):
         q, k, v = q.view(T, self.H, self.D), k.view(T, self.Hkv, self.D), v.view(T, self.Hkv, self.D)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        return self.o_proj(paged_attention(q, k, v, layout, k_cache, v_cache))
+        if self.rot < self.D:           # partial rotary: the rest of each head passes unrotated
+            r = self.rot
+            q = torch.cat((apply_rotary(q[..., :r], *cos_sin), q[..., r:]), dim=-1)
+            k = torch.cat((apply_rotary(k[..., :r], *cos_sin), k[..., r:]), dim=-1)
+        else:
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        return self.o_proj(paged_attention(q, k, v, layout, k_cache, v_cache, self.window,
+                                           getattr(self, "sinks", None)))
 
 
 class Linear(nn.Module):
-    """A bias-free projection whose parameter is named ``weight`` (the checkpoint's name)."""
+    """A projection whose parameters are named ``weight`` and ``bias`` (the checkpoint's names)."""
 
-    def __init__(self, out_dim: int, in_dim: int, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(self, out_dim: int, in_dim: int, dtype: torch.dtype, device: str | torch.device,
+                 bias: bool = False) -> None:
         super().__init__()
         self.weight = empty(out_dim, in_dim, dtype=dtype, device=device)
+        self.bias = empty(out_dim, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class SwiGLU(nn.Module):
@@ -138,9 +171,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, attn: Attention, mlp: nn.Module, cfg: HFConfig, dtype: torch.dtype,
                  device: str | torch.device) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device, cfg.norm_fp32_weight)
         self.self_attn = attn
-        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device, cfg.norm_fp32_weight)
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, layout: BatchLayout, kv: tuple[torch.Tensor, torch.Tensor],
@@ -180,7 +213,7 @@ class DecoderModel(nn.Module):
         self.moe_attr = moe_attr      # where a layer's MoE sits in the checkpoint ("mlp" or "block_sparse_moe")
         self.embed_tokens = empty(cfg.vocab_size, cfg.d_model, dtype=dtype, device=device)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype, device, cfg.norm_fp32_weight)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else \
             empty(cfg.vocab_size, cfg.d_model, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim, device)
@@ -204,11 +237,12 @@ class DecoderModel(nn.Module):
             out["lm_head.weight"] = self.lm_head
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}"
+            moe = hasattr(layer.mlp, "checkpoint_names")   # names its own tensors: only this rank's experts
             for name, t in layer.named_parameters():
-                if name.startswith("mlp.") and isinstance(layer.mlp, SparseMoE):
+                if name.startswith("mlp.") and moe:
                     continue
                 out[f"{p}.{name}"] = t
-            if isinstance(layer.mlp, SparseMoE):
+            if moe:
                 out.update(layer.mlp.checkpoint_names(f"{p}.{self.moe_attr}"))
         return out
 
