@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import AliasChoices, BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
+from shared.reasoning import check_parser
+
 T = TypeVar("T", bound="Settings")
 
 ENV_PREFIX = "LOCKSTEP_"
@@ -169,6 +171,7 @@ class ApiServerSettings(Settings):
     dispatch: str = Field("scheduler", description="'scheduler' or 'client' (the replica picks ranks itself).")
     policy: str = Field("waterfill", description="Dispatch policy in client-dispatch mode (waterfill, round_robin, least_score, least_tokens; staggered needs dispatch 'scheduler': refused at start). waterfill places at once here: holding needs the one scheduler.")
     num_api_servers: int = Field(1, description="Replicas in the cluster (scales the local bump in client mode).")
+    reasoning_parser: str = Field("", description="Tell a reasoning model's thinking from its answer in chat and Responses output, as vLLM's --reasoning-parser: deepseek_r1, qwen3, glm45 or deepseek_v3 (<think>...</think>; the thinking goes to 'reasoning' and 'reasoning_content'); empty = off, the thinking stays in the content.")
 
     @property
     def body_limit(self) -> int:
@@ -186,6 +189,7 @@ class ApiServerSettings(Settings):
         # The policy is this replica's only in client dispatch (else the scheduler's).
         if self.dispatch != "scheduler":
             check_policy_dispatch(self.policy, self.dispatch)
+        check_parser(self.reasoning_parser)
         return self
 
 

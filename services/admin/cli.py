@@ -75,11 +75,16 @@ def up(
                                     "rank at once (0: a dead rank's process is started again instead)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
     model: Optional[str] = typer.Option(None, "--model", envvar="LOCKSTEP_MODEL",
-                                        help="A local Hugging Face checkpoint directory (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V2 and -V3) "
+                                        help="A local Hugging Face checkpoint directory (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, "
+                                             "DeepSeek-V2 and -V3, GLM-4.5, gpt-oss) "
                                              "to serve with its own tokenizer and chat template; default: the "
                                              "bundled model. Nothing is downloaded (README: Real checkpoints)."),
     dtype: str = typer.Option("auto", "--dtype", help="With --model: auto (bfloat16 on cuda, float32 on cpu), "
                                                       "bfloat16 or float32."),
+    reasoning_parser: Optional[str] = typer.Option(
+        None, "--reasoning-parser", envvar="LOCKSTEP_REASONING_PARSER",
+        help="A reasoning model's thinking (<think>...</think>) goes to the chat answer's 'reasoning', not its "
+             "content, as vLLM's flag: deepseek_r1, qwen3, glm45 or deepseek_v3."),
 ) -> None:
     """Start a local cluster: Redis (embedded unless --redis-url), scheduler, engine ranks, api-servers."""
     from services.admin.up import LocalCluster, UpOptions, banner, check_options, persist_problem
@@ -94,6 +99,11 @@ def up(
         _fail(f"--dispatch must be 'scheduler' or 'client', not {dispatch!r}", 2)
     if not log_level_known(log_level):
         _fail(f"--log-level must be debug, info, warning or error, not {log_level!r}", 2)
+    from shared.reasoning import check_parser
+    try:
+        check_parser(reasoning_parser or "")
+    except ValueError as exc:
+        _fail(f"--reasoning-parser: {exc}", 2)
     # Options that only one path uses: refused on the others instead of silently ignored.
     if persist:
         problem = persist_problem(persist)
@@ -135,7 +145,8 @@ def up(
                      dispatch=dispatch, namespace=namespace, redis_url=redis_url, persist_dir=persist,
                      time_scale=time_scale, log_level=log_level, schedulers=schedulers, spares=spares,
                      extra_env={**({"LOCKSTEP_MAX_WAIT_MS": f"{max_wait_ms:g}"} if max_wait_ms is not None else {}),
-                                "LOCKSTEP_ALIGN_TOKENS": "1" if align_tokens else "0", **model_env})
+                                "LOCKSTEP_ALIGN_TOKENS": "1" if align_tokens else "0", **model_env,
+                                **({"LOCKSTEP_REASONING_PARSER": reasoning_parser} if reasoning_parser else {})})
     try:
         check_options(opts)
     except ValueError as exc:

@@ -337,7 +337,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
             try:
                 parsed = parse(raw, kind, served_model=settings.model, max_model_len=settings.max_model_len,
                                num_ranks=gw.num_ranks, header_rank=request.headers.get("x-data-parallel-rank"),
-                               tok=tok)
+                               tok=tok, reasoning_parser=settings.reasoning_parser)
             except ApiError as exc:
                 raise exc if translated is None else responses_api.rename_error(exc, translated) from None
             if parsed.ignored and len(warned) < 256 and not warned.issuperset(parsed.ignored):

@@ -130,6 +130,10 @@ class ChatMessage(Struct, kw_only=True):
     content: str | list[ContentPart] | None = None
     tool_calls: list[Any] | None = None     # an assistant turn's earlier calls (shown in the prompt)
     tool_call_id: str | None = None
+    # an assistant turn's thinking sent back (vLLM's name, and DeepSeek's older one): the
+    # checkpoint's template gets it as reasoning_content, and shows it where it does
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 Messages = Annotated[list[ChatMessage], Meta(min_length=1)]
@@ -234,6 +238,9 @@ class ChatBody(GenerationBody, kw_only=True, forbid_unknown_fields=True):
         description="variables for a served checkpoint's chat template (enable_thinking...), each one the template "
                     "reads; the byte model's template reads none")] | None = None
     documents: _neutral("documents") = None
+    include_reasoning: Annotated[bool, Meta(
+        description="with a reasoning parser (LOCKSTEP_REASONING_PARSER): false leaves the thinking out of the "
+                    "answer (default true)")] | None = None
 
 
 class TokenizeBody(Struct, kw_only=True):

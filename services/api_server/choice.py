@@ -10,6 +10,7 @@ from services.api_server import tools
 from services.api_server.gateway import RequestChannel
 from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, join, names_for, prompt_logprobs
 from services.api_server.protocol import ParsedRequest
+from shared import reasoning
 from shared.stop import TextStopper
 from shared.tokenizer import StreamDecoder
 
@@ -59,9 +60,15 @@ def final(p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], p
     finish = "stop" if stopper.stopped else ch.finish
     if p.kind == "chat":
         lp = chat_logprobs(tokens, ch.logprobs, p.logprobs, names_for(p.tok)) if p.logprobs is not None else None
-        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        thought: str | None = None
+        answer: str | None = text
+        if p.reasoning is not None:
+            thought, answer = reasoning.split(p.reasoning, text)
+        msg: dict[str, Any] = {"role": "assistant", "content": answer}
         if p.tool_call is not None:
-            msg, finish = tools.message(p.tool_call, text, finish)
+            msg, finish = tools.message(p.tool_call, answer or "", finish)
+        if p.reasoning is not None and p.include_reasoning:
+            msg.update(reasoning_fields(thought))
         out_c: dict[str, Any] = {"index": index, "message": msg, "logprobs": lp, "finish_reason": finish}
         if p.prompt_logprobs is not None:
             out_c["prompt_logprobs"] = prompt_logprobs(prompt, ch.prompt_lp or [], p.prompt_logprobs,
@@ -79,6 +86,12 @@ def final(p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], p
     if p.prompt_logprobs is not None:
         out["prompt_logprobs"] = prompt_logprobs(prompt, ch.prompt_lp or [], p.prompt_logprobs, names_for(p.tok))
     return out
+
+
+def reasoning_fields(thought: str | None) -> dict[str, Any]:
+    """A message's (or delta's) thinking: ``reasoning`` as vLLM names it now, and
+    ``reasoning_content``, DeepSeek's name, which many clients still read."""
+    return {"reasoning": thought, "reasoning_content": thought}
 
 
 class StreamChoice:
@@ -99,6 +112,7 @@ class StreamChoice:
         self.tool_text: list[str] | None = [] if p.tool_call is not None else None
         self.held_lp: list[dict[str, Any]] = []   # chat logprobs of the held text
         self.calls_begun = False                  # "auto", a checkpoint's format: a <tool_call> tag came
+        self.thinking = p.reasoning.splitter() if p.reasoning is not None else None
 
     def _entry(self, text: str | None, finish: str | None, lp: Any = None, role: bool = False) -> dict[str, Any]:
         if self.p.kind == "chat":
@@ -107,6 +121,17 @@ class StreamChoice:
                 delta["content"] = text
             return {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {"index": self.index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+
+    def _think(self, parts: tuple[str, str], lp: Any, out: list[dict[str, Any]]) -> tuple[str, Any]:
+        """Send the thinking of ``parts`` (with this poll's logprobs); the answer goes on as
+        text, with the logprobs when no thinking took them."""
+        thought, answer = parts
+        if not thought:
+            return answer, lp
+        if self.p.include_reasoning:
+            out.append({"index": self.index, "delta": reasoning_fields(thought), "logprobs": lp, "finish_reason": None})
+            return answer, None
+        return answer, lp
 
     def poll(self) -> list[dict[str, Any]]:
         """Entries for what arrived since the last poll (the finish entry last)."""
@@ -133,6 +158,8 @@ class StreamChoice:
             lp = None
             if self.want_lp:
                 lp = chat_logprobs(new, lps, p.logprobs, self.names) if p.kind == "chat" else self.cl.part(new, lps)
+            if self.thinking is not None:
+                text, lp = self._think(self.thinking.feed(text), lp, out)
             if self.tool_text is not None:
                 self.tool_text.append(text)
                 if lp is not None:
@@ -152,6 +179,9 @@ class StreamChoice:
                 out.append(self._entry(text, None, lp=lp))
         if ch.finish is not None and self.sent >= len(ch.tokens) and ch.finish not in ("error", "abort"):
             tail = self.stopper.feed(self.dec.flush()) + self.stopper.finish()
+            if self.thinking is not None:
+                head, held = self.thinking.feed(tail), self.thinking.finish()
+                tail = self._think((head[0] + held[0], head[1] + held[1]), None, out)[0]
             finish = "stop" if self.stopper.stopped else ch.finish
             if self.tool_text is not None:
                 entry, finish = tool_delta(p, "".join(self.tool_text) + tail, finish, self.index,

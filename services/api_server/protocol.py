@@ -15,6 +15,7 @@ from services.api_server.bodies import (CHAT_NEUTRAL, MAX_CHOICES, MAX_STOP_LEN,
                                         DetokenizeBody, GenerationBody, TokenizeBody)
 from services.api_server.decode import decode
 from services.api_server.errors import ApiError
+from shared.reasoning import Reasoning
 from services.api_server.structured import guide
 from shared.hf_tokenizer import continue_final
 from shared.messages import SamplingParams
@@ -43,11 +44,15 @@ class ParsedRequest:
     prompt_logprobs: int | None = None   # vLLM's prompt_logprobs: top k per prompt token
     ignored: tuple[str, ...] = ()  # unknown top-level fields, ignored (docs/api.md)
     tok: Any = None                # a served checkpoint's tokenizer (None: bytes)
+    reasoning: Any = None          # reasoning.Reasoning: the output's thinking is told from its answer (chat)
+    include_reasoning: bool = True  # the thinking is shown (as "reasoning"), not only cut from the content
 
     @property
     def multi(self) -> bool:
-        """More than one engine request answers this one, or streamed tool calls (multi.py)."""
-        return self.n > 1 or self.best_of > 1 or self.prompts is not None or (self.stream and self.tool_call is not None)
+        """More than one engine request answers this one, or streamed tool calls or thinking
+        (multi.py: its StreamChoice tells them from text)."""
+        return self.n > 1 or self.best_of > 1 or self.prompts is not None or (
+            self.stream and (self.tool_call is not None or self.reasoning is not None))
 
     def decoder(self) -> Any:
         """A streaming detokenizer of this request's model."""
@@ -229,6 +234,9 @@ def _messages(msgs: list[ChatMessage], calls_as_text: bool = False) -> list[dict
         if content is None:
             raise ApiError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
         d: dict[str, Any] = {"role": m.role, "content": content}
+        thought = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if thought is not None and m.role == "assistant":
+            d["reasoning_content"] = thought
         if calls:
             d["tool_calls"] = calls
         if m.role == "tool" and m.tool_call_id is not None:
@@ -260,9 +268,10 @@ def _rank(b: GenerationBody, header: str | None, num_ranks: int) -> int | None:
 
 
 def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int, num_ranks: int,
-          header_rank: str | None = None, tok: Any = None) -> ParsedRequest:
+          header_rank: str | None = None, tok: Any = None, reasoning_parser: str = "") -> ParsedRequest:
     """``body``: the request's bytes (or its decoded JSON); ``tok``: a served checkpoint's
-    tokenizer (shared/hf_tokenizer.py); None = bytes."""
+    tokenizer (shared/hf_tokenizer.py); None = bytes. ``reasoning_parser``: a name of
+    reasoning.PARSERS, or "" (a chat answer's thinking stays in its content)."""
     chat = kind == "chat"
     b: Any
     b, ignored = decode(body, ChatBody if chat else CompletionBody)
@@ -273,6 +282,10 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
     if tool_call is not None and tok is not None and tool_call.mode == "auto":
         tool_call.fmt = "hermes"        # what a checkpoint's template teaches it to write
     batch: list[tuple[list[int], str]] = []
+    if chat and b.include_reasoning is False and not reasoning_parser:
+        raise ApiError(400, "'include_reasoning' false needs a reasoning parser to tell the thinking from the answer: "
+                       "start the server with LOCKSTEP_REASONING_PARSER (lockstep up --reasoning-parser), or leave "
+                       "it out", param="include_reasoning", code="unsupported_parameter")
     if chat and tok is not None:
         text, prompt = hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b), b.chat_template_kwargs,
                                            tools.template_tools(b.tools))
@@ -378,7 +391,9 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
                          include_usage=include_usage, rank=_rank(b, header_rank, num_ranks), echo=echo,
                          prompt_text=text, ignored=ignored, logprobs=lp, drop_output=drop_output,
                          prompts=prompts, n=n, best_of=best_of, best_of_lp=best_of_lp, tool_call=tool_call,
-                         continuous_usage=continuous_usage, prompt_logprobs=plp, tok=tok)
+                         continuous_usage=continuous_usage, prompt_logprobs=plp, tok=tok,
+                         reasoning=Reasoning.for_prompt(reasoning_parser, text) if chat and reasoning_parser else None,
+                         include_reasoning=not chat or b.include_reasoning is not False)
 
 
 # --- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------

@@ -69,6 +69,8 @@ class Translated:
     open_msg: int | None = None        # output index of the message item being streamed
     finish: str | None = None          # the chat stream's finish_reason
     calls: list[dict[str, Any]] = field(default_factory=list)   # streamed tool calls, until the finish
+    open_rs: int | None = None         # output index of the reasoning item being streamed
+    rs_text: list[str] = field(default_factory=list)            # its text so far
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -207,8 +209,9 @@ def _neutral_only(b: ResponsesBody) -> None:
             raise ApiError(400, f"'{name}': {why}; send {orjson.dumps(neutral[-1]).decode()} or leave it out",
                            param=name, code="unsupported_parameter")
     if b.reasoning is not None and any(v is not None for v in b.reasoning.values()):
-        raise ApiError(400, "'reasoning': this model does not reason; leave it out", param="reasoning",
-                       code="unsupported_parameter")
+        raise ApiError(400, "'reasoning' (effort, summary) is not supported: a reasoning model thinks as its chat "
+                       "template has it, and with a reasoning parser its thinking is a reasoning output item; "
+                       "leave it out", param="reasoning", code="unsupported_parameter")
     for i, inc in enumerate(b.include or ()):
         if inc != LOGPROBS_INCLUDE:
             raise ApiError(400, f"'include[{i}]': only {LOGPROBS_INCLUDE!r} is supported", param=f"include[{i}]",
@@ -302,6 +305,12 @@ def _message_item(text: str, status: str = "completed", lp: list[Any] | None = N
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": lp or []}]}
 
 
+def _reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    """A reasoning model's thinking (told from its answer by the server's reasoning parser)."""
+    return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None, "status": status}
+
+
 def _call_item(call: dict[str, Any], finish: str | None) -> dict[str, Any]:
     """A call cut by max_output_tokens is ``incomplete``, as OpenAI marks it: an agent loop
     must not run a tool on its cut arguments."""
@@ -315,6 +324,8 @@ def from_chat(body: dict[str, Any], t: Translated) -> dict[str, Any]:
     choice = body["choices"][0]
     msg, finish = choice["message"], choice["finish_reason"]
     output = []
+    if msg.get("reasoning"):
+        output.append(_reasoning_item(msg["reasoning"]))
     if msg.get("content") or not msg.get("tool_calls"):
         lp = (choice.get("logprobs") or {}).get("content") if t.logprobs else None
         output.append(_message_item(msg.get("content") or "", "incomplete" if finish == "length" else "completed", lp))
@@ -329,15 +340,46 @@ def _event(t: Translated, kind: str, **fields: Any) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
+def _reasoning_delta(t: Translated, text: str) -> list[bytes]:
+    out = []
+    if t.open_rs is None:
+        t.open_rs = len(t.items)
+        item = _reasoning_item("", "in_progress")
+        item["content"] = []
+        t.items.append(item)
+        out += [_event(t, "response.output_item.added", output_index=t.open_rs, item=item),
+                _event(t, "response.content_part.added", item_id=item["id"], output_index=t.open_rs,
+                       content_index=0, part={"type": "reasoning_text", "text": ""})]
+    t.rs_text.append(text)
+    out.append(_event(t, "response.reasoning_text.delta", item_id=t.items[t.open_rs]["id"],
+                      output_index=t.open_rs, content_index=0, delta=text))
+    return out
+
+
+def _close_reasoning(t: Translated) -> list[bytes]:
+    if t.open_rs is None:
+        return []
+    i, text = t.open_rs, "".join(t.rs_text)
+    item = t.items[i]
+    part = {"type": "reasoning_text", "text": text}
+    item["status"], item["content"] = "completed", [part]
+    t.open_rs, t.rs_text = None, []
+    ids = {"item_id": item["id"], "output_index": i, "content_index": 0}
+    return [_event(t, "response.reasoning_text.done", **ids, text=text),
+            _event(t, "response.content_part.done", **ids, part=part),
+            _event(t, "response.output_item.done", output_index=i, item=item)]
+
+
 def _open_message(t: Translated) -> list[bytes]:
     """A message item begins: its added events (its text follows as deltas)."""
+    out = _close_reasoning(t)      # the thinking ends where the answer begins
     t.open_msg = len(t.items)
     item = _message_item("", "in_progress")
     t.items.append(item)
     part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-    return [_event(t, "response.output_item.added", output_index=t.open_msg, item=item),
-            _event(t, "response.content_part.added", item_id=item["id"], output_index=t.open_msg, content_index=0,
-                   part=part)]
+    return out + [_event(t, "response.output_item.added", output_index=t.open_msg, item=item),
+                  _event(t, "response.content_part.added", item_id=item["id"], output_index=t.open_msg,
+                         content_index=0, part=part)]
 
 
 def _close_message(t: Translated, status: str) -> list[bytes]:
@@ -356,7 +398,7 @@ def _close_message(t: Translated, status: str) -> list[bytes]:
 
 
 def _calls(t: Translated) -> list[bytes]:
-    out: list[bytes] = []
+    out: list[bytes] = _close_reasoning(t)
     for call in t.calls:
         out += _close_message(t, "completed")
         item = _call_item(call, t.finish)
@@ -377,7 +419,7 @@ def _calls(t: Translated) -> list[bytes]:
 def stream_events(chunk: dict[str, Any], t: Translated, model: str) -> list[bytes]:
     """The Responses events for one chat.completion.chunk (or error) of the stream."""
     if "error" in chunk:                      # the chat stream's error event (timeout, engine error)
-        out = _close_message(t, "incomplete")
+        out = _close_reasoning(t) + _close_message(t, "incomplete")
         err = chunk["error"]
         failed = _response(t, "failed", t.items, None, error={"code": err.get("code") or "server_error",
                                                               "message": err.get("message", "")}, model=model)
@@ -388,6 +430,8 @@ def stream_events(chunk: dict[str, Any], t: Translated, model: str) -> list[byte
         out += [_event(t, "response.created", response=skeleton), _event(t, "response.in_progress", response=skeleton)]
     for c in chunk.get("choices") or ():
         delta = c.get("delta") or {}
+        if delta.get("reasoning"):
+            out += _reasoning_delta(t, delta["reasoning"])
         text = delta.get("content")
         if text:
             if t.open_msg is None:
@@ -403,7 +447,8 @@ def stream_events(chunk: dict[str, Any], t: Translated, model: str) -> list[byte
             out += _calls(t)
     if chunk.get("usage") is not None and not chunk.get("choices"):   # the last chunk: include_usage
         finish = t.finish
-        if t.open_msg is None and not t.items:
+        out += _close_reasoning(t)
+        if t.open_msg is None and not any(i["type"] != "reasoning" for i in t.items):
             out += _open_message(t)            # an empty answer is still a message
         out += _close_message(t, "incomplete" if finish == "length" else "completed")
         status = "incomplete" if finish == "length" else "completed"
