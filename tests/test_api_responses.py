@@ -47,6 +47,15 @@ def test_a_request_becomes_the_chat_request_that_answers_it():
     assert [m["role"] for m in c["messages"]] == ["user", "assistant", "tool", "assistant"]
     assert [t["id"] for t in c["messages"][1]["tool_calls"]] == ["c1", "c2"]
     assert c["messages"][2] == {"role": "tool", "tool_call_id": "c1", "content": "snow"}
+    # a reasoning item's text is the next assistant turn's reasoning (a template may show it)
+    c = _chat({"input": [
+        {"role": "user", "content": "weather?"},
+        {"type": "reasoning", "id": "r0", "summary": [], "content": [{"type": "reasoning_text", "text": "look it up"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "snow"},
+        {"type": "reasoning", "id": "r1", "summary": [{"type": "summary_text", "text": "it snows"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "snow"}]}]})
+    assert [m.get("reasoning") for m in c["messages"]] == [None, "look it up", None, "it snows"]
     # what the Agents SDK sends back: a refusal part of an earlier answer; a response's own
     # defaults (tool_choice "auto" with tools []) mean no tools
     c = _chat({"input": [{"type": "message", "role": "assistant", "id": "m", "status": "completed",

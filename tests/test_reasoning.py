@@ -173,3 +173,24 @@ def test_a_cluster_with_a_reasoning_parser_answers_with_the_thinking_apart(r1_cl
                                                          if e.type == "response.reasoning_text.delta")
     finally:
         c.close()
+
+
+def test_a_turns_reasoning_reaches_a_checkpoints_template_as_reasoning_content(tmp_path):
+    # Qwen3's and DeepSeek's templates read message.reasoning_content; clients send it back
+    # under vLLM's name (reasoning) or DeepSeek's (reasoning_content)
+    pytest.importorskip("transformers")
+    from shared.hf_tokenizer import HFTokenizer
+    from tests.hf_checkpoints import make_tokenizer
+
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+                "{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n<think>\n")
+    make_tokenizer(tmp_path, chat_template=template)
+    tok = HFTokenizer(tmp_path)
+    for field in ("reasoning", "reasoning_content"):
+        p = parse({"messages": [{"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": "hello", field: "greet back"},
+                                {"role": "user", "content": "bye"}]},
+                  "chat", served_model="m", max_model_len=4096, num_ranks=1, tok=tok, reasoning_parser="qwen3")
+        assert "<think>greet back</think>hello" in p.prompt_text
+        assert p.reasoning.thinking        # the template opened the thinking: the output starts in it

@@ -100,6 +100,7 @@ def _messages(b: ResponsesBody) -> tuple[list[dict[str, Any]], list[str]]:
     msgs: list[dict[str, Any]] = []
     sources: list[str] = []
     called: set[str] = set()
+    thought: list[str] = []        # a reasoning item's text: the next assistant turn's reasoning
     if b.instructions:
         msgs.append({"role": "system", "content": b.instructions})
         sources.append("instructions")
@@ -115,6 +116,8 @@ def _messages(b: ResponsesBody) -> tuple[list[dict[str, Any]], list[str]]:
                                param=f"{where}.role")
             msgs.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
             sources.append(where)
+            if role == "assistant" and thought:
+                msgs[-1]["reasoning"], thought = "\n".join(thought), []
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
@@ -127,6 +130,8 @@ def _messages(b: ResponsesBody) -> tuple[list[dict[str, Any]], list[str]]:
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 sources.append(where)
+                if thought:
+                    msgs[-1]["reasoning"], thought = "\n".join(thought), []
         elif kind == "function_call_output":
             out = item.get("output")
             if not isinstance(item.get("call_id"), str) or out is None:
@@ -138,7 +143,10 @@ def _messages(b: ResponsesBody) -> tuple[list[dict[str, Any]], list[str]]:
                          "content": out if isinstance(out, str) else _text_of(out, f"{where}.output")})
             sources.append(where)
         elif kind == "reasoning":
-            continue                                   # a reasoning model's trace: nothing to show this one
+            # a reasoning model's trace (its content, else its summary): the next assistant turn's
+            # reasoning, which a checkpoint's template may show (as reasoning_content)
+            parts = item.get("content") or item.get("summary") or []
+            thought += [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
         else:
             raise ApiError(400, f"'{where}': input items of type {kind!r} are not supported (message, "
                            "function_call, function_call_output)", param=where, code="unsupported_parameter")
