@@ -15,10 +15,10 @@ from services.api_server.bodies import (CHAT_NEUTRAL, MAX_CHOICES, MAX_STOP_LEN,
                                         DetokenizeBody, GenerationBody, TokenizeBody)
 from services.api_server.decode import decode
 from services.api_server.errors import ApiError
-from shared.reasoning import Reasoning
 from services.api_server.structured import guide
 from shared.hf_tokenizer import continue_final
 from shared.messages import SamplingParams
+from shared.reasoning import Reasoning
 from shared.tokenizer import BOS, EOS, VOCAB_SIZE, StreamDecoder, encode
 
 
