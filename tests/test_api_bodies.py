@@ -196,3 +196,23 @@ def test_an_assistants_refusal_part_is_history_other_parts_are_refused():
         with pytest.raises(ApiError) as err:
             parse({"messages": [bad]}, "chat", served_model="m", max_model_len=512, num_ranks=1)
         assert err.value.status == 400 and err.value.param == "messages[0].content"
+
+
+def test_responses_style_text_parts_are_text_in_chat():
+    # vLLM reads input_text / output_text parts as text; clients that turn a Responses
+    # history into chat messages send them (they were a 400)
+    msgs = [{"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "snowy"}]},
+            {"role": "user", "content": "thanks"}]
+    p = parse({"messages": msgs}, "chat", served_model="m", max_model_len=512, num_ranks=1)
+    assert "weather?" in p.prompt_text and "snowy" in p.prompt_text
+
+
+def test_a_body_that_begins_with_a_utf8_bom_is_read():
+    # PowerShell 5 writes its files with a BOM (curl.exe -d @body.json); Python's json.loads,
+    # and so vLLM, reads it. It was "JSON is malformed: invalid character (byte 0)".
+    body = orjson.dumps({"prompt": "hi", "max_tokens": 2})
+    b, _ = decode(b"\xef\xbb\xbf" + body, CompletionBody)
+    assert b.prompt == "hi" and b.max_tokens == 2
+    with pytest.raises(ApiError):
+        decode(b"\xef\xbb" + body, CompletionBody)        # a broken BOM is still not JSON

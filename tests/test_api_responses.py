@@ -23,6 +23,19 @@ def _chat(body: dict) -> dict:
     return orjson.loads(raw)
 
 
+def test_vllms_sampling_fields_go_on_to_the_chat_request_and_unknown_ones_are_reported():
+    # what guidellm's Responses benchmark sends (ignore_eos, stop) and vLLM's Responses route
+    # takes: they were dropped unread, so lengths and stops came out wrong
+    extras = {"seed": 7, "stop": ["x"], "ignore_eos": True, "top_k": 5, "min_p": 0.1, "presence_penalty": 0.5,
+              "repetition_penalty": 1.1, "logit_bias": {"65": 2}, "min_tokens": 3, "chat_template_kwargs": {"k": 1}}
+    raw, t = to_chat(orjson.dumps({"model": MODEL, "input": "hi", **extras, "max_tokens": 4, "bogus": 1}))
+    c = orjson.loads(raw)
+    assert {k: c[k] for k in extras} == extras
+    assert "max_tokens" not in c and "bogus" not in c and sorted(t.ignored) == ["bogus", "max_tokens"]
+    raw, t = to_chat(b"\xef\xbb\xbf" + orjson.dumps({"model": MODEL, "input": "hi", "seed": 1}))   # a BOM
+    assert orjson.loads(raw)["seed"] == 1 and t.ignored == ()
+
+
 def test_a_request_becomes_the_chat_request_that_answers_it():
     c = _chat({"input": "hi", "instructions": "be brief", "max_output_tokens": 9, "temperature": 0,
                "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
@@ -188,6 +201,14 @@ def test_responses_live_sim(sim_cluster):
     assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
     assert events[-1].response.output[0].content[0].text == r.output_text
+    # vLLM's extras take effect: the same seed, the same text; ignore_eos, the whole length
+    same = dict(model=MODEL, input="Say hi", max_output_tokens=12, temperature=1.0,
+                extra_body={"seed": 11, "ignore_eos": True})
+    a, b = c.responses.create(**same), c.responses.create(**same)
+    assert a.output_text == b.output_text and a.usage.output_tokens == 12
+    stop = a.output_text[3]
+    cut = c.responses.create(**{**same, "extra_body": {**same["extra_body"], "stop": [stop]}})
+    assert cut.output_text == a.output_text[:a.output_text.index(stop)] and cut.status == "completed"
     # a forced function call, streamed (get_final_response needs response.completed), and
     # its round trip back as input
     with c.responses.stream(model=MODEL, input="weather in Oslo?", tools=[WEATHER], max_output_tokens=400,

@@ -340,6 +340,8 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                                tok=tok, reasoning_parser=settings.reasoning_parser)
             except ApiError as exc:
                 raise exc if translated is None else responses_api.rename_error(exc, translated) from None
+            if translated is not None and translated.ignored:
+                parsed.ignored = (*parsed.ignored, *translated.ignored)
             if parsed.ignored and len(warned) < 256 and not warned.issuperset(parsed.ignored):
                 new = sorted(set(parsed.ignored) - warned)
                 warned.update(new)

@@ -41,9 +41,14 @@ _WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "
           "object": "an object", "null": "null"}
 
 
+BOM = b"\xef\xbb\xbf"
+
+
 def decode(raw: bytes | Any, typ: type[T]) -> tuple[T, tuple[str, ...]]:
     """(the body, the unknown top-level field names, which are ignored). ``raw``: the body's
     bytes, or an already decoded JSON value (the unit tests)."""
+    if isinstance(raw, (bytes, bytearray)) and raw[:3] == BOM:
+        raw = raw[3:]       # a UTF-8 BOM (PowerShell 5's files): Python's json.loads, so vLLM, accepts it
     try:
         try:
             if isinstance(raw, (bytes, bytearray, memoryview, str)):

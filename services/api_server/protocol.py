@@ -204,9 +204,11 @@ def _prompt_tokens(prompt: Any) -> tuple[list[int], str]:
 
 
 def _part_text(part: Any, role: str, i: int) -> str:
-    """A content part's text: a text part's, or an assistant's refusal (OpenAI accepts the
-    refusal parts its own answers carry, sent back in the history)."""
-    if part.type == "text" and part.text is not None:
+    """A content part's text: a text part's (``input_text`` / ``output_text`` too, the
+    Responses API's names, which vLLM reads as text: clients that turn a Responses history
+    into chat send them), or an assistant's refusal (OpenAI accepts the refusal parts its own
+    answers carry, sent back in the history)."""
+    if part.type in ("text", "input_text", "output_text") and part.text is not None:
         return part.text
     if part.type == "refusal" and role == "assistant" and part.refusal is not None:
         return part.refusal

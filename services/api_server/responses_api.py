@@ -18,14 +18,27 @@ from typing import Annotated, Any, Literal
 import orjson
 from msgspec import Meta, Struct
 
-from services.api_server.decode import decode
+from services.api_server.decode import BOM, decode
 from services.api_server.errors import ApiError
 
 MAX_INPUT_ITEMS = 4096
 
 
-class ResponsesBody(Struct, kw_only=True):
-    """The fields this server reads; any other is ignored, as in the other routes."""
+# vLLM's sampling and guidance fields, which its Responses route takes as chat does (its
+# ResponsesRequest): passed to the chat request verbatim, so they take effect or are the
+# chat route's 400 naming them. Benchmarks send them (guidellm: ignore_eos, stop).
+PASSED_TO_CHAT = ("seed", "stop", "ignore_eos", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "bad_words",
+                  "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "data_parallel_rank",
+                  "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
+                  "structured_outputs", "chat_template_kwargs", "include_reasoning", "priority",
+                  "truncate_prompt_tokens", "use_beam_search", "length_penalty", "logits_processors",
+                  "return_tokens_as_token_ids")
+
+
+class ResponsesBody(Struct, kw_only=True, forbid_unknown_fields=True):
+    """The fields this server reads; vLLM's extras (PASSED_TO_CHAT) go on to the chat
+    request, and any other is ignored and logged, as in the other routes."""
     model: str | None = None   # none: the served model, as in the other routes
     input: str | Annotated[list[dict[str, Any]], Meta(max_length=MAX_INPUT_ITEMS)]
     instructions: str | None = None
@@ -62,6 +75,7 @@ class Translated:
     echo: dict[str, Any]
     sources: list[str] = field(default_factory=list)   # per chat message, the Responses field it came from
     logprobs: bool = False
+    ignored: tuple[str, ...] = ()      # unknown fields, ignored (logged by the route)
     seq: int = 0                       # sequence_number of the next stream event
     items: list[dict[str, Any]] = field(default_factory=list)   # streamed output items, in order
     text: list[str] = field(default_factory=list)               # the open message's text so far
@@ -229,7 +243,7 @@ def _neutral_only(b: ResponsesBody) -> None:
 def to_chat(raw: bytes) -> tuple[bytes, Translated]:
     """The chat request that answers a Responses request (bytes for protocol.parse), and
     what the answer needs. ApiError (naming the Responses field) for what cannot be served."""
-    b, _ = decode(raw, ResponsesBody)
+    b, unknown = decode(raw, ResponsesBody)
     if b.previous_response_id is not None:
         raise ApiError(400, "'previous_response_id': this server keeps no responses; send the conversation "
                        "so far as 'input' (its items, then the new turn)", param="previous_response_id",
@@ -251,13 +265,19 @@ def to_chat(raw: bytes) -> tuple[bytes, Translated]:
         chat["logprobs"], chat["top_logprobs"] = True, b.top_logprobs or 0
     if b.stream:
         chat["stream"], chat["stream_options"] = True, {"include_usage": True}
+    if unknown:
+        doc = orjson.loads(bytes(raw).removeprefix(BOM)) if isinstance(raw, (bytes, bytearray, memoryview)) else \
+            orjson.loads(raw) if isinstance(raw, str) else raw
+        chat.update({k: doc[k] for k in unknown if k in PASSED_TO_CHAT})
+        unknown = tuple(k for k in unknown if k not in PASSED_TO_CHAT)
     echo = {"instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
             "metadata": b.metadata or {}, "parallel_tool_calls": b.parallel_tool_calls is not False,
             "temperature": 1.0 if b.temperature is None else b.temperature,
             "top_p": 1.0 if b.top_p is None else b.top_p, "tool_choice": b.tool_choice or "auto",
             "tools": b.tools or [], "text": b.text or {"format": {"type": "text"}}, "user": b.user,
             "top_logprobs": b.top_logprobs}
-    return orjson.dumps(chat), Translated("resp_" + uuid.uuid4().hex, int(time.time()), echo, sources, logprobs)
+    return orjson.dumps(chat), Translated("resp_" + uuid.uuid4().hex, int(time.time()), echo, sources, logprobs,
+                                          ignored=unknown)
 
 
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
