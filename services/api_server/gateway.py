@@ -300,17 +300,24 @@ class Gateway:
         # Start at the current tail (before any request of ours exists), then follow ids.
         tail = await self.r.xrevrange(stream, count=1)
         last: bytes | str = tail[0][0] if tail else "0-0"
+        # The requests in flight when this reader lost Redis: checked once it is back. Its
+        # own, not redis_ok, which a submit to the restarted server sets again first (the
+        # check was then skipped, and those requests waited for ever).
+        outage: set[str] | None = None
         while True:
             try:
-                if not self.redis_ok:
-                    await self._after_outage()
+                if outage is not None:
+                    await self._after_outage(outage)
+                    outage = None
                 resp = await self.r.xread({stream: last}, block=1000, count=1024)
                 self.redis_ok = True
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - reconnect with backoff
-                if self.redis_ok and self.log is not None:
-                    self.log.warning("redis_unavailable", what="outputs", error=str(exc))
+                if outage is None:
+                    if self.log is not None:
+                        self.log.warning("redis_unavailable", what="outputs", error=str(exc))
+                    outage = set(self.channels)
                 self.redis_ok = False
                 await asyncio.sleep(0.2 + random.random() * 0.3)
                 continue
@@ -382,18 +389,21 @@ class Gateway:
         if self.log is not None:
             self.log.warning("requests_resumed", n=len(ids))
 
-    async def _after_outage(self) -> None:
+    async def _after_outage(self, in_flight: set[str]) -> None:
         """Back from a Redis outage. A restarted server without persistence has lost the
-        request and output streams: fail the requests in flight with a clear, retryable
-        error instead of letting them wait for tokens that will never come."""
+        request and output streams: fail the requests that were in flight when it went
+        (``in_flight``) with a clear, retryable error instead of letting them wait for tokens
+        that will never come. One submitted since went to the server that is back: it runs."""
         run_id = await server_run_id(self.r, self.keys.dataset)
         lost = not same_data(self.run_id, run_id)   # a failover keeps the data; an empty restart does not
         if self.log is not None:
             self.log.info("redis_reconnected", what="outputs", restarted=lost)
         self.run_id = run_id
         if lost:
-            for ch in list(self.channels.values()):
-                ch.fail("the cluster's Redis server restarted and lost this request")
+            for rid in in_flight:
+                ch = self.channels.get(rid)
+                if ch is not None:
+                    ch.fail("the cluster's Redis server restarted and lost this request")
 
     async def _heartbeat(self) -> None:
         """Once a second, in one round trip: this replica's heartbeat, how long the
