@@ -195,7 +195,8 @@ class GroupMembership:
         log = self.log
 
         def beat() -> None:
-            failing = False
+            failing_since: float | None = None     # monotonic: the first failed beat of this run of them
+            said_at = 0.0
             while not done.is_set():
                 stalled = self._stalled_s()
                 try:
@@ -226,13 +227,21 @@ class GroupMembership:
                     elif not lease.is_holder(res[0], self.token):
                         self._on_slot_lost(res[0])
                         return
-                    if failing:
-                        log.info("heartbeat_restored")
-                    failing = False
+                    if failing_since is not None:
+                        log.info("heartbeat_restored", after_s=round(time.monotonic() - failing_since, 1))
+                    failing_since = None
                 except Exception as exc:  # noqa: BLE001 - keep beating through blips
-                    if not failing:
+                    now = time.monotonic()
+                    if failing_since is None:
+                        failing_since = said_at = now
                         log.warning("heartbeat_failed", error=str(exc)[:200])
-                    failing = True
+                    elif now - said_at >= 30:
+                        # said again while it lasts: a Redis that refuses this connection for good
+                        # (maxclients reached) leaves the slot lapsed and the group short of a rank
+                        said_at = now
+                        log.error("heartbeat_failing", for_s=round(now - failing_since), error=str(exc)[:200],
+                                  hint="this rank's slot lapses while it lasts; if Redis says 'max number of "
+                                       "clients reached', raise its maxclients (docs/operations.md)")
                 done.wait(self.s.heartbeat_ms / 1000)
             client.close()
 
