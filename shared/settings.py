@@ -12,6 +12,8 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 
 from shared.reasoning import check_parser
 
+NAMESPACE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/")
+
 T = TypeVar("T", bound="Settings")
 
 ENV_PREFIX = "LOCKSTEP_"
@@ -92,6 +94,13 @@ class Settings(BaseSettings):
         if bad:
             raise ValueError(f"must not contain {' '.join(bad)} (Redis key patterns read them as wildcards, "
                              "Redis Cluster braces as a hash tag); use letters, digits and - _ . : /")
+        # ... and it names files (`up`'s state, <state dir>/<namespace>.json, and logs): a
+        # space or a control character, an empty name or a ../ left or escaped that directory
+        other = sorted(set(v) - NAMESPACE_CHARS)
+        if not v or other or v.startswith("/") or ".." in v.split("/"):
+            what = ("must not be empty" if not v else f"must not contain {' '.join(map(repr, other))}" if other
+                    else "must not begin with / or have a .. part (it names files under the state directory)")
+            raise ValueError(f"{what}; use letters, digits and - _ . : /")
         return v
 
     @field_validator("log_level")
@@ -233,7 +242,7 @@ class EngineSettings(Settings):
     num_kv_blocks: int = Field(4096, ge=1, description="KV-cache blocks on the rank.")
     block_size: int = Field(16, ge=1, description="Tokens per KV block.")
     max_model_len: int = Field(4096, ge=1, description="Prompt + output tokens per request.")
-    time_scale: float = Field(1.0, description="sim: multiply modeled device time (0 = no device time), and the waits tuned to it (the coordinated prefill's delays and busy window, the staggered gate's timeout): the same group in slow motion.")
+    time_scale: float = Field(1.0, ge=0, allow_inf_nan=False, description="sim: multiply modeled device time (0 = no device time), and the waits tuned to it (the coordinated prefill's delays and busy window, the staggered gate's timeout): the same group in slow motion.")
     cost_model: str = Field("", description="sim: JSON file with calibrated cost-model constants.")
     request_record_ttl_s: int = Field(600, ge=1, description="Lifetime of a request record <ns>:req:<id>, refreshed at each write (memory: about 350 bytes x request rate x this; docs/operations.md).")
     heartbeat_ms: int = Field(1000, ge=1, description="Heartbeat period; the alive key lives 3x this.")

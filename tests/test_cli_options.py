@@ -71,9 +71,19 @@ def test_up_refuses_time_scale_on_torch_and_a_negative_one(no_start):
     _refused(res, "--time-scale", "--backend sim")
     res = _cli("up", "--backend", "sim", "--time-scale", "-1")
     _refused(res, "--time-scale")
+    res = _cli("up", "--backend", "sim", "--time-scale", "inf")   # was up and "ready", and no step ever ended
+    _refused(res, "--time-scale", "finite")
     for ok in (["--backend", "torch", "--time-scale", "1"], ["--backend", "sim", "--time-scale", "0"]):
         res = _cli("up", *ok)
         assert res.exit_code == 1 and "would start a cluster" in res.stderr, (ok, res.output)
+
+
+@pytest.mark.parametrize("namespace, needle", [
+    ("x y", "' '"), ("", "empty"), ("../elsewhere", ".. part"), ("/etc/x", "begin with /"), ("a{b}", "{ }")])
+def test_up_refuses_a_namespace_that_is_no_key_prefix_or_file_name(no_start, namespace, needle):
+    # a space or an empty one was served; ../ put the state file and logs outside the state directory
+    res = _cli("up", "--backend", "sim", "--namespace", namespace)
+    _refused(res, "LOCKSTEP_NAMESPACE", needle)
 
 
 def test_up_and_engine_refuse_a_dtype_the_ranks_would_ignore_or_fail_on(no_start):
@@ -306,6 +316,8 @@ def test_simulate_refuses_options_its_path_does_not_read(tmp_path):
     (["--plot", "/nonexistent-dir/p.png"], "--plot"),
     (["--plot", "/tmp/p.txt"], ".png"),    # (matplotlib refused it after the whole run: a traceback)
     (["--dispatch", "client", "--view-interval-ms", "-10"], "--view-interval-ms"),
+    # figures for a cluster `up` refuses (staggered needs the one scheduler); with "all" it is left out
+    (["--dispatch", "client", "--policies", "staggered_aligned"], "dispatch scheduler only"),
 ])
 def test_simulate_refuses_bad_values_with_the_option_named(args, needle):
     base = ["simulate", "--ranks", "2", "--requests", "5", "--policies", "least_score"]
@@ -381,7 +393,9 @@ def test_chaos_refuses_a_run_with_no_fault(monkeypatch):
         raise RuntimeError("would start a cluster")
 
     monkeypatch.setattr(chaos, "run_chaos", started)
-    _refused(_cli("chaos", "--duration", "8"), "no time for a fault", "--duration 10")
+    res = _cli("chaos", "--duration", "8")      # below the option's minimum now: its help says why
+    assert res.exit_code == 2 and "greater than or equal to 10" in res.output, res.output
+    _refused(_cli("chaos", "--duration", "12", "--every", "60"), "no time for a fault", "--every")
     res = _cli("chaos", "--duration", "30")
     assert res.exit_code == 2 and "would start a cluster" in res.stderr, res.output
 

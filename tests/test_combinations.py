@@ -111,3 +111,32 @@ def test_up_refuses_client_dispatch_with_staggered_before_starting_anything(tmp_
     assert p.returncode == 2, p.stdout + p.stderr
     assert "needs dispatch 'scheduler'" in p.stderr and "--dispatch scheduler --policy staggered" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_a_second_up_on_a_live_namespace_of_the_same_redis_is_refused(tmp_path, redis_url, namespace):
+    # Another host's (or user's, or state directory's) `up` cannot see the first one's local
+    # record: it started, took the first one's lead and dist keys, and its ranks crash-looped
+    # for want of a free slot while its api-server served the first cluster.
+    import openai
+
+    from shared.redis_server import free_port
+    from tests.conftest import start_cluster
+
+    (tmp_path / "a").mkdir()
+    first = start_cluster(tmp_path / "a", "--ranks", "1", "--spares", "0", "--api-servers", "1", "--backend", "sim",
+                          "--redis-url", redis_url, namespace=namespace)
+    try:
+        c = openai.OpenAI(base_url=first.api_url, api_key="x", max_retries=0, timeout=60)
+        assert c.completions.create(model="lockstep-moe", prompt="hi", max_tokens=2).choices[0].text is not None
+        env = {**os.environ, "LOCKSTEP_STATE_DIR": str(tmp_path / "b")}
+        env.pop("LOCKSTEP_REDIS_URL", None)
+        p = subprocess.run([sys.executable, "-m", "services.admin.cli", "up", "--backend", "sim", "--ranks", "1",
+                            "--redis-url", redis_url, "--namespace", namespace, "--port", str(free_port())],
+                           capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert "already runs in namespace" in p.stderr and "rank 0 with a heartbeat" in p.stderr, p.stderr
+        # the first is undisturbed (its lead was not taken from it)
+        assert c.completions.create(model="lockstep-moe", prompt="hi", max_tokens=2).choices[0].text is not None
+        c.close()
+    finally:
+        first.stop()

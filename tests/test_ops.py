@@ -252,6 +252,26 @@ def test_watch_once_renders_a_frame(cluster, client):
     assert [r["rank"] for r in frame["ranks"]] == [0, 1]
 
 
+def test_watch_into_a_pipe_prints_each_frame(cluster):
+    # `watch | tee`, a CI log: the live view wrote nothing until it ended (nothing at all on SIGTERM)
+    import signal
+
+    env = {**os.environ, "LOCKSTEP_STATE_DIR": cluster.state_dir}
+    env.pop("LOCKSTEP_REDIS_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "services.admin.cli", "watch", "--interval", "0.2",
+                             "--namespace", cluster.namespace], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, cwd=ROOT, text=True)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        poll_until(lambda: sum("balance ratio" in line for line in seen) >= 2, 30, "two frames written to the pipe")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(10)
+    assert proc.returncode == 0, proc.stderr.read()
+
+
 def test_watch_render_recorded(cluster):
     from rich.console import Console
 

@@ -408,7 +408,9 @@ def run_chaos(duration_s: float, seed: int, ranks: int = 2, api_servers: int = 2
 
 
 def chaos_cmd(
-    duration: float = typer.Option(300.0, "--duration", min=5.0, help="Seconds of load (faults stop a cooldown before)."),
+    duration: float = typer.Option(300.0, "--duration", min=10.0,
+                                   help="Seconds of load (10 or more: a 3 s warm-up, the faults, then a cooldown of "
+                                        "at least 6 s with no fault)."),
     seed: int = typer.Option(0, "--seed", help="Seeds the fault schedule and the requests."),
     ranks: int = typer.Option(2, "--ranks", min=2, help="DP ranks of the local sim cluster."),
     api_servers: int = typer.Option(2, "--api-servers", min=1, help="api-server replicas."),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 from typing import Optional
@@ -87,7 +88,7 @@ def up(
              "content, as vLLM's flag: deepseek_r1, qwen3, glm45 or deepseek_v3."),
 ) -> None:
     """Start a local cluster: Redis (embedded unless --redis-url), scheduler, engine ranks, api-servers."""
-    from services.admin.up import LocalCluster, UpOptions, banner, check_options, persist_problem
+    from services.admin.up import ClusterRunning, LocalCluster, UpOptions, banner, check_options, persist_problem
     from shared.bus import RedisUnreachable
     from shared.redis_server import ServerNotFound
 
@@ -115,6 +116,9 @@ def up(
     if max_wait_ms is not None and policy != "staggered":
         _fail(f"--max-wait-ms bounds the wait of a staggered batch; policy {policy!r} does not read it "
               "(use --policy staggered --max-wait-ms MS, or drop --max-wait-ms)", 2)
+    if not math.isfinite(time_scale):
+        _fail(f"--time-scale must be a finite number >= 0 (0 = no modeled device time), not {time_scale}: at "
+              "inf no step would ever end", 2)
     if time_scale != 1.0 and backend != "sim":
         _fail("--time-scale scales the sim backend's modeled device time; --backend torch runs the real model "
               "(use --backend sim --time-scale X, or drop --time-scale)", 2)
@@ -155,7 +159,7 @@ def up(
     typer.echo(f"lockstep: starting {ranks} {backend} ranks and {api_servers} api-servers...", err=True)
     try:
         cluster.start()
-    except (RedisUnreachable, ServerNotFound) as exc:
+    except (RedisUnreachable, ServerNotFound, ClusterRunning) as exc:
         _fail(str(exc), 2)
     except KeyboardInterrupt:   # Ctrl-C / SIGTERM before the cluster served: the shell's convention
         cluster.stop()

@@ -27,7 +27,7 @@ from shared import keys as K
 from shared.bus import RedisUnreachable, check_reachable, connect, redact_url, url_with_known_nodes
 from shared.redis_server import EmbeddedRedis
 
-__all__ = ["Child", "LocalCluster", "MAX_RESTARTS_PER_MIN", "UpOptions", "banner", "check_options", "served_model"]
+__all__ = ["Child", "ClusterRunning", "LocalCluster", "MAX_RESTARTS_PER_MIN", "UpOptions", "banner", "check_options", "served_model"]
 
 
 @dataclass
@@ -49,6 +49,26 @@ class UpOptions:
     schedulers: int = 1
     spares: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class ClusterRunning(RuntimeError):
+    """Another cluster serves the namespace on the Redis given with --redis-url."""
+
+
+async def live_cluster(r: Any, k: K.Keys, ranks: int) -> str:
+    """What of a cluster in ``k``'s namespace is alive on ``r`` (a leading scheduler, ranks
+    with a heartbeat), in words; "" when nothing is."""
+    recorded = await r.hget(k.cluster, "ranks")
+    n = max(ranks, int(recorded) if recorded and recorded.isdigit() else 0)
+    pipe = r.pipeline(transaction=False)
+    pipe.exists(k.leader)
+    for rank in range(n):   # one key each: their slots differ on Redis Cluster
+        pipe.exists(k.rank_alive(rank))
+    leader, *alive = await pipe.execute()
+    live = [rank for rank, a in enumerate(alive) if a]
+    parts = (["a scheduler holds its lead"] if leader else []) + (
+        [f"rank{'s' if len(live) > 1 else ''} {', '.join(map(str, live))} with a heartbeat"] if live else [])
+    return " and ".join(parts)
 
 
 class LocalCluster(Supervisor):
@@ -143,6 +163,16 @@ class LocalCluster(Supervisor):
         k = K.Keys(o.namespace)
         r = connect(self.url)
         try:
+            if o.redis_url:
+                # Another `up` (another host, user or state directory: the local record does
+                # not see it) may serve this namespace on this Redis; starting beside it took
+                # its lead and dist keys and crash-looped these ranks for want of a free slot.
+                live = await live_cluster(r, k, o.ranks)
+                if live:
+                    raise ClusterRunning(
+                        f"a cluster already runs in namespace {o.namespace!r} at {redact_url(self.url)} ({live}); "
+                        "stop it first, or use another --namespace (a killed cluster's heartbeats lapse within "
+                        "a few seconds)")
             # A previous run in this namespace may have left coordination keys behind.
             await r.delete(k.dist, k.leader, k.drained, k.snapshot)
         finally:

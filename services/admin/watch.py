@@ -208,6 +208,17 @@ def watch_cmd(interval: float = typer.Option(1.0, "--interval", "-i", min=0.1, h
         console.print(render_frame(asyncio.run(collect_frame(url, namespace, window))))
         return
 
+    async def plain() -> None:
+        # Not a terminal (`watch | tee`, a CI log): a live view writes nothing until it ends,
+        # so each frame is printed whole, one after another
+        while True:
+            try:
+                console.print(render_frame(await collect_frame(url, namespace, window)))
+            except Exception as exc:  # noqa: BLE001 - keep going through a blip
+                console.print(f"lockstep watch: {exc.__class__.__name__}: {exc} (retrying)")
+            console.file.flush()
+            await asyncio.sleep(interval)
+
     async def loop() -> None:
         frame = await collect_frame(url, namespace, window)
         with Live(render_frame(frame), console=console, refresh_per_second=4, transient=False) as live:
@@ -222,7 +233,7 @@ def watch_cmd(interval: float = typer.Option(1.0, "--interval", "-i", min=0.1, h
                 live.update(render_frame(frame))
 
     try:
-        asyncio.run(loop())
+        asyncio.run(loop() if console.is_terminal else plain())
     except KeyboardInterrupt:
         pass
 

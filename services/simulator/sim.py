@@ -437,9 +437,17 @@ def resolve_policies(names: str | list[str], cfg: SimConfig) -> list[PolicySpec]
     if isinstance(names, str):
         names = [x.strip() for x in names.split(",") if x.strip()]
     names = list(dict.fromkeys(names))      # a policy named twice runs once
+    # lockstep's staggered batches need its one scheduler: `up --dispatch client` refuses
+    # them, so a client-dispatch simulation of them would report a cluster nobody can run
+    scheduler_only = {"staggered", "staggered_aligned"} if cfg.dispatch == "client" else set()
     if not names or names == ["all"]:
-        return list(specs.values())
+        return [s for name, s in specs.items() if name not in scheduler_only]
     bad = [x for x in names if x not in specs]
     if bad:
         raise ValueError(f"unknown policies {bad}; choose from: all, {', '.join(specs)}")
+    served = [x for x in names if x in scheduler_only]
+    if served:
+        raise ValueError(f"{', '.join(served)}: lockstep's staggered batches are formed by its one scheduler, so "
+                         "`lockstep up` serves them with dispatch scheduler only; use --dispatch scheduler (or "
+                         "leave --dispatch out), or drop them")
     return [specs[x] for x in names]
