@@ -31,8 +31,10 @@ def check_parser(name: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Reasoning:
-    """How one request's output begins: inside the thinking or not."""
+    """How one request's output begins: inside the thinking or not (``may_open``: a
+    ``<think>`` the model writes first opens it)."""
     thinking: bool
+    may_open: bool = True
 
     @staticmethod
     def for_prompt(parser: str, prompt_text: str) -> "Reasoning":
@@ -42,7 +44,12 @@ class Reasoning:
         return Reasoning(opened > closed)
 
     def splitter(self) -> "Splitter":
-        return Splitter(self.thinking)
+        return Splitter(self.thinking, self.may_open)
+
+
+# Structured output (or a forced tool call) constrains the whole output from its first
+# token: the model cannot think there, and the text is the answer whatever the prompt opened
+Reasoning.ANSWER_ONLY = Reasoning(False, may_open=False)  # type: ignore[attr-defined]
 
 
 def _held(text: str, tag: str) -> int:
@@ -56,9 +63,9 @@ def _held(text: str, tag: str) -> int:
 class Splitter:
     """Text in, (thinking, answer) pieces out, in order."""
 
-    def __init__(self, thinking: bool) -> None:
+    def __init__(self, thinking: bool, may_open: bool = True) -> None:
         self.thinking = thinking
-        self.at_start = True     # only whitespace so far: a <think> here opens the thinking (or repeats it)
+        self.at_start = may_open  # only whitespace so far: a <think> here opens the thinking (or repeats it)
         self.closed = False      # its </think> came: the rest is answer
         self.buf = ""
 

@@ -194,3 +194,21 @@ def test_a_turns_reasoning_reaches_a_checkpoints_template_as_reasoning_content(t
                   "chat", served_model="m", max_model_len=4096, num_ranks=1, tok=tok, reasoning_parser="qwen3")
         assert "<think>greet back</think>hello" in p.prompt_text
         assert p.reasoning.thinking        # the template opened the thinking: the output starts in it
+
+
+def test_a_constrained_output_is_all_answer_whatever_the_prompt_opened():
+    # deepseek_r1 starts inside the thinking (as a template that opens <think> does): the
+    # grammar-forced JSON went to "reasoning" (lost with include_reasoning false) and a
+    # forced tool call came back as no tool_calls
+    p = _chat(response_format={"type": "json_object"})
+    assert p.reasoning == Reasoning.ANSWER_ONLY
+    msg = final(p, _channel('{"a": 1}'), 0, p.prompt, p.prompt_text)["message"]
+    assert (msg["content"], msg["reasoning"]) == ('{"a": 1}', None)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    p = _chat(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}})
+    msg = final(p, _channel('{"c": "x"}'), 0, p.prompt, p.prompt_text)["message"]
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"c": "x"}' and msg["reasoning"] is None
+    # a model that writes freely ("auto") still thinks first; no answer is a null content
+    p = _chat(tools=[tool], tool_choice="auto")
+    msg = final(p, _channel("weighing it"), 0, p.prompt, p.prompt_text)["message"]
+    assert (msg["content"], msg["reasoning"]) == (None, "weighing it")

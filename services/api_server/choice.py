@@ -67,8 +67,11 @@ def final(p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], p
         msg: dict[str, Any] = {"role": "assistant", "content": answer}
         if p.tool_call is not None:
             msg, finish = tools.message(p.tool_call, answer or "", finish)
-        if p.reasoning is not None and p.include_reasoning:
-            msg.update(reasoning_fields(thought))
+        if p.reasoning is not None:
+            if answer is None and msg.get("content") == "":
+                msg["content"] = None          # no answer: null, with tools as without
+            if p.include_reasoning:
+                msg.update(reasoning_fields(thought))
         out_c: dict[str, Any] = {"index": index, "message": msg, "logprobs": lp, "finish_reason": finish}
         if p.prompt_logprobs is not None:
             out_c["prompt_logprobs"] = prompt_logprobs(prompt, ch.prompt_lp or [], p.prompt_logprobs,
