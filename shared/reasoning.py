@@ -49,7 +49,7 @@ class Reasoning:
 
 # Structured output (or a forced tool call) constrains the whole output from its first
 # token: the model cannot think there, and the text is the answer whatever the prompt opened
-Reasoning.ANSWER_ONLY = Reasoning(False, may_open=False)  # type: ignore[attr-defined]
+ANSWER_ONLY = Reasoning(False, may_open=False)
 
 
 def _held(text: str, tag: str) -> int:

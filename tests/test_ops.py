@@ -268,7 +268,12 @@ def test_watch_into_a_pipe_prints_each_frame(cluster):
         poll_until(lambda: sum("balance ratio" in line for line in seen) >= 2, 30, "two frames written to the pipe")
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(10)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+            raise AssertionError("watch did not stop within 10 s of SIGINT") from None
     assert proc.returncode == 0, proc.stderr.read()
 
 

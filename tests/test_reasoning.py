@@ -13,7 +13,7 @@ from services.api_server.choice import StreamChoice, final
 from services.api_server.errors import ApiError
 from services.api_server.gateway import RequestChannel
 from services.api_server.protocol import parse
-from shared.reasoning import PARSERS, Reasoning, Splitter, check_parser, split
+from shared.reasoning import ANSWER_ONLY, PARSERS, Reasoning, Splitter, check_parser, split
 from tests.conftest import start_cluster
 
 THINKING, ANSWER = Reasoning(True), Reasoning(False)
@@ -201,7 +201,7 @@ def test_a_constrained_output_is_all_answer_whatever_the_prompt_opened():
     # grammar-forced JSON went to "reasoning" (lost with include_reasoning false) and a
     # forced tool call came back as no tool_calls
     p = _chat(response_format={"type": "json_object"})
-    assert p.reasoning == Reasoning.ANSWER_ONLY
+    assert p.reasoning == ANSWER_ONLY
     msg = final(p, _channel('{"a": 1}'), 0, p.prompt, p.prompt_text)["message"]
     assert (msg["content"], msg["reasoning"]) == ('{"a": 1}', None)
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -168,7 +168,6 @@ class Gateway:
         self._flusher: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self.num_ranks = 1
-        self.redis_ok = True
         self.run_id = ""
         self.queue_wait_s: float | None = None   # a new request's wait in the scheduler's queue, as of the last heartbeat
         self.ranks_live: int | None = None        # ranks with a heartbeat, as of the last one (None: unknown)
@@ -282,9 +281,7 @@ class Gateway:
             wake_if_paused(pipe, self.keys)
         try:
             await pipe.execute()
-            self.redis_ok = True
         except Exception as exc:  # noqa: BLE001 - the requests fail, the server stays up
-            self.redis_ok = False
             if self.metrics is not None:
                 self.metrics.redis_errors.inc()
             if self.log is not None:
@@ -300,9 +297,9 @@ class Gateway:
         # Start at the current tail (before any request of ours exists), then follow ids.
         tail = await self.r.xrevrange(stream, count=1)
         last: bytes | str = tail[0][0] if tail else "0-0"
-        # The requests in flight when this reader lost Redis: checked once it is back. Its
-        # own, not redis_ok, which a submit to the restarted server sets again first (the
-        # check was then skipped, and those requests waited for ever).
+        # The requests in flight when this reader lost Redis: checked once it is back. The
+        # reader's own state: a flag the submits shared was set again by a submit to the
+        # restarted server first (the check was then skipped, and those requests waited for ever).
         outage: set[str] | None = None
         while True:
             try:
@@ -310,7 +307,6 @@ class Gateway:
                     await self._after_outage(outage)
                     outage = None
                 resp = await self.r.xread({stream: last}, block=1000, count=1024)
-                self.redis_ok = True
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - reconnect with backoff
@@ -318,7 +314,6 @@ class Gateway:
                     if self.log is not None:
                         self.log.warning("redis_unavailable", what="outputs", error=str(exc))
                     outage = set(self.channels)
-                self.redis_ok = False
                 await asyncio.sleep(0.2 + random.random() * 0.3)
                 continue
             now = time.monotonic()

@@ -18,7 +18,7 @@ from services.api_server.errors import ApiError
 from services.api_server.structured import guide
 from shared.hf_tokenizer import continue_final
 from shared.messages import SamplingParams
-from shared.reasoning import Reasoning
+from shared.reasoning import ANSWER_ONLY, Reasoning
 from shared.tokenizer import BOS, EOS, VOCAB_SIZE, StreamDecoder, encode
 
 
@@ -394,7 +394,7 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
                          prompt_text=text, ignored=ignored, logprobs=lp, drop_output=drop_output,
                          prompts=prompts, n=n, best_of=best_of, best_of_lp=best_of_lp, tool_call=tool_call,
                          continuous_usage=continuous_usage, prompt_logprobs=plp, tok=tok,
-                         reasoning=None if not (chat and reasoning_parser) else Reasoning.ANSWER_ONLY if g is not None
+                         reasoning=None if not (chat and reasoning_parser) else ANSWER_ONLY if g is not None
                          else Reasoning.for_prompt(reasoning_parser, text),   # a grammar's output is all answer
                          include_reasoning=not chat or b.include_reasoning is not False)
 
