@@ -45,7 +45,7 @@ class TextTokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, tokens: list[int]) -> str: ...
-    def stream_decoder(self) -> StreamingDecoder: ...
+    def stream_decoder(self, keep_special: bool = False) -> StreamingDecoder: ...
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     template_kwargs: dict[str, Any] | None = None) -> str: ...
 
@@ -66,8 +66,8 @@ class ByteTokenizer:
     def decode(self, tokens: list[int]) -> str:
         return self._bt.decode(tokens)
 
-    def stream_decoder(self) -> StreamingDecoder:
-        return self._bt.StreamDecoder()
+    def stream_decoder(self, keep_special: bool = False) -> StreamingDecoder:
+        return self._bt.StreamDecoder()         # (its EOS and BOS are never text)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     template_kwargs: dict[str, Any] | None = None) -> str:
@@ -114,11 +114,12 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, tokens: list[int]) -> str:
-        return self._tok.decode(list(tokens), skip_special_tokens=True)
+    def decode(self, tokens: list[int], keep_special: bool = False) -> str:
+        return self._tok.decode(list(tokens), skip_special_tokens=not keep_special)
 
-    def stream_decoder(self) -> "IncrementalDecoder":
-        return IncrementalDecoder(self.decode)
+    def stream_decoder(self, keep_special: bool = False) -> "IncrementalDecoder":
+        """``keep_special``: special tokens are text (harmony's frame, for its parser)."""
+        return IncrementalDecoder(lambda ids: self.decode(ids, keep_special))
 
     def token_str(self, t: int) -> str:
         return self._tok.id_to_token(t) or ""
@@ -189,7 +190,7 @@ class IncrementalDecoder:
     short window of recent tokens (so merges and leading-space rules see their context)
     and emits only the text that the newest tokens added, holding back a tail that ends
     in U+FFFD (an incomplete multi-byte character whose next bytes are still to come).
-    The pieces joined equal ``decode(all tokens)``."""
+    The pieces joined equal ``decode(all tokens)``, less a character cut in two at the end."""
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self._decode = decode
@@ -208,11 +209,12 @@ class IncrementalDecoder:
         return now[len(before):]
 
     def flush(self) -> str:
-        """What is still held back (an unfinished character decodes to U+FFFD, as decode does)."""
+        """What is still held back, less a character the length cap cut in two (it would
+        decode to U+FFFD; dropped, as vLLM does)."""
         before = self._decode(self._ids[self._prefix:self._read])
         now = self._decode(self._ids[self._prefix:])
         self._prefix = self._read = len(self._ids)
-        return now[len(before):]
+        return now[len(before):].rstrip("\ufffd")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

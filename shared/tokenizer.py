@@ -28,7 +28,11 @@ class StreamDecoder:
         return self._dec.decode(bytes(t for t in tokens if t < 256))
 
     def flush(self) -> str:
-        return self._dec.decode(b"", final=True)
+        """The end of the output: bytes still waiting are a character the length cap cut
+        in two, dropped (as vLLM does) rather than ending the text in U+FFFD. Invalid
+        bytes inside the text stay U+FFFD, as decode shows them."""
+        self._dec.reset()
+        return ""
 
 
 _SPECIAL_NAMES = {EOS: "<|eos|>", BOS: "<|bos|>"}

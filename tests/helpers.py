@@ -7,14 +7,15 @@ import time
 from typing import Awaitable, Callable, TypeVar
 
 from services.engine_worker.sim_backend import SimTokenStream
-from shared.tokenizer import EOS, encode
+from shared.tokenizer import EOS, StreamDecoder, encode
 
 T = TypeVar("T")
 
 
 def sim_expected_text(prompt_tokens: list[int], max_tokens: int, seed: int | None = None,
                       ignore_eos: bool = True) -> str:
-    """What the sim backend generates for a prompt: a pure function of (seed, prompt, position)."""
+    """What the sim backend generates for a prompt: a pure function of (seed, prompt, position),
+    as the api-server decodes it (a character cut by the length cap dropped)."""
     stream = SimTokenStream(seed, prompt_tokens)
     out = bytearray()
     for pos in range(max_tokens):
@@ -24,7 +25,8 @@ def sim_expected_text(prompt_tokens: list[int], max_tokens: int, seed: int | Non
                 break
             tok = ord(" ")
         out.append(tok)
-    return out.decode("utf-8", errors="replace")
+    dec = StreamDecoder()
+    return dec.feed(list(out)) + dec.flush()
 
 
 def completion_prompt(text: str) -> list[int]:

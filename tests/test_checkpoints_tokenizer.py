@@ -143,6 +143,23 @@ def test_streamed_pieces_join_to_the_full_decode(text, cut):
         assert "".join(pieces) + dec.flush() == tok.decode(ids)
 
 
+def test_a_character_cut_by_the_length_cap_is_dropped_not_ended_in_a_replacement_char():
+    """max_tokens can end the output between the bytes of one character: the text stops
+    before it (as vLLM's), where decode(all tokens) ends in U+FFFD; a broken byte inside
+    the text still shows as U+FFFD."""
+    byte = load_tokenizer(None, lambda *a: "")
+    for tok in (byte, *_TOKS.values()):
+        ids = tok.encode("ab日本")
+        for cut in range(1, len(ids)):
+            if not tok.decode(ids[:cut]).endswith("\ufffd"):
+                continue
+            dec = tok.stream_decoder()
+            text = dec.feed(ids[:cut]) + dec.flush()
+            assert text == tok.decode(ids[:cut]).rstrip("\ufffd") and "\ufffd" not in text
+    dec = byte.stream_decoder()
+    assert dec.feed([0xE6, ord("a")]) + dec.flush() == "\ufffda"
+
+
 _TOKS: dict[str, HFTokenizer] = {}
 
 
