@@ -9,6 +9,7 @@ output starts inside it; one that closes it (``enable_thinking: false`` renders 
 prompt, ``deepseek_r1`` starts inside the thinking (R1 often skips writing ``<think>``),
 the others in the answer, where a ``<think>`` the model writes first opens the thinking.
 Within the output, only the first ``</think>`` closes it; any later tag is text.
+gpt-oss's harmony channels (``openai_gptoss``) are told apart in shared/harmony.py.
 
 One rule for streamed and whole responses: ``Splitter.feed`` takes text as it comes and
 holds back only what may be the start of the tag it waits for."""
@@ -16,11 +17,21 @@ holds back only what may be the start of the tag it waits for."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from shared.harmony import HarmonyStart
 
 START, END = "<think>", "</think>"
+HARMONY = "openai_gptoss"
 
 # parser name -> whether the output starts inside the thinking when the prompt has no tag
-PARSERS = {"deepseek_r1": True, "qwen3": False, "glm45": False, "deepseek_v3": False}
+PARSERS = {"deepseek_r1": True, "qwen3": False, "glm45": False, "deepseek_v3": False, HARMONY: False}
+
+
+def default_parser(model_type: str) -> str:
+    """The parser a checkpoint gets when none is named: gpt-oss's harmony is its only way
+    to write, so it is always read (as vLLM reads it); other models' thinking stays text."""
+    return HARMONY if model_type == "gpt_oss" else ""
 
 
 def check_parser(name: str) -> None:
@@ -45,6 +56,16 @@ class Reasoning:
 
     def splitter(self) -> "Splitter":
         return Splitter(self.thinking, self.may_open)
+
+    keep_special = False     # the <think> tags are text, whatever the decoder does with special tokens
+
+
+def for_prompt(parser: str, prompt_text: str) -> Any:
+    """How one request's output begins (a Reasoning, or for harmony a HarmonyStart); both
+    make its ``splitter()`` and say whether it reads special tokens (``keep_special``)."""
+    if parser == HARMONY:
+        return HarmonyStart.for_prompt(prompt_text)
+    return Reasoning.for_prompt(parser, prompt_text)
 
 
 # Structured output (or a forced tool call) constrains the whole output from its first
@@ -96,9 +117,14 @@ class Splitter:
         return (rest, "") if self.thinking and not self.closed else ("", rest)
 
 
-def split(reasoning: Reasoning, text: str) -> tuple[str | None, str | None]:
+def split(reasoning: Any, text: str) -> tuple[str | None, str | None]:
     """A whole output's (thinking, answer); None for an empty one (as vLLM gives them)."""
+    return split_calls(reasoning, text)[:2]
+
+
+def split_calls(reasoning: Any, text: str) -> tuple[str | None, str | None, list[tuple[str, str]]]:
+    """A whole output's (thinking, answer, the (name, arguments) of its harmony calls)."""
     s = reasoning.splitter()
     a, b = s.feed(text)
     c, d = s.finish()
-    return (a + c) or None, (b + d) or None
+    return (a + c) or None, (b + d) or None, getattr(s, "calls", [])

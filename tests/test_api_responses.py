@@ -94,7 +94,7 @@ def test_a_request_becomes_the_chat_request_that_answers_it():
     # the parameter rule: known and not supported, so a 400 unless neutral
     ({"input": "x", "store": True}, "store"),
     ({"input": "x", "background": True}, "background"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"input": "x", "max_tool_calls": 2}, "max_tool_calls"),
 ])

@@ -53,7 +53,7 @@ def test_unknown_parser_names_the_known_ones():
     check_parser("")
     for name in PARSERS:
         check_parser(name)
-    with pytest.raises(ValueError, match="deepseek_r1, deepseek_v3, glm45, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, deepseek_v3, glm45, openai_gptoss, qwen3"):
         check_parser("r1")
 
 

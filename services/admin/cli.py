@@ -85,7 +85,8 @@ def up(
     reasoning_parser: Optional[str] = typer.Option(
         None, "--reasoning-parser", envvar="LOCKSTEP_REASONING_PARSER",
         help="A reasoning model's thinking (<think>...</think>) goes to the chat answer's 'reasoning', not its "
-             "content, as vLLM's flag: deepseek_r1, qwen3, glm45 or deepseek_v3."),
+             "content, as vLLM's flag: deepseek_r1, qwen3, glm45 or deepseek_v3 (gpt-oss: openai_gptoss, "
+             "its harmony channels and calls, the default for a gpt-oss checkpoint)."),
 ) -> None:
     """Start a local cluster: Redis (embedded unless --redis-url), scheduler, engine ranks, api-servers."""
     from services.admin.up import ClusterRunning, LocalCluster, UpOptions, banner, check_options, persist_problem

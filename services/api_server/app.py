@@ -37,6 +37,7 @@ from shared.messages import Request
 from shared.settings import ApiServerSettings
 from shared.stop import TextStopper
 from shared.tokenizer import BOS, EOS, VOCAB_SIZE
+from shared import reasoning
 from shared import tokenizer as _bytes
 from shared import trace
 from shared.hf_tokenizer import HFTokenizer
@@ -170,7 +171,9 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
     ckpt = hf_text.checkpoint_dir(settings.model)
     tok = HFTokenizer(ckpt) if ckpt else None
     if ckpt:
-        settings = settings.model_copy(update={"model": Path(ckpt).name})
+        # gpt-oss speaks harmony: its channels are told apart unless a parser was named
+        parser = settings.reasoning_parser or reasoning.default_parser(hf_text.model_type(ckpt))
+        settings = settings.model_copy(update={"model": Path(ckpt).name, "reasoning_parser": parser})
         _ = tok.grammar_vocab   # built now, not inside the first structured-output request
 
     @asynccontextmanager

@@ -33,7 +33,6 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
     "modalities": ((["text"],), {"type": "array", "items": {"type": "string", "enum": ["text"]}, "maxItems": 1}),
     "audio": ((), {"type": "null"}),
     "prediction": ((), {"type": "null"}),
-    "reasoning_effort": ((), {"type": "null"}),
     "web_search_options": ((), {"type": "null"}),
     "store": ((False,), {"type": "boolean", "enum": [False]}),
     # vLLM's own parameters that this server does not implement yet: a vLLM client that
@@ -225,7 +224,9 @@ class ChatBody(GenerationBody, kw_only=True, forbid_unknown_fields=True):
     modalities: _neutral("modalities") = None
     audio: _neutral("audio") = None
     prediction: _neutral("prediction") = None
-    reasoning_effort: _neutral("reasoning_effort") = None
+    reasoning_effort: Annotated[Literal["low", "medium", "high"] | None, Meta(
+        description="how long a reasoning model thinks, for a checkpoint whose chat template reads it (gpt-oss); "
+                    "elsewhere a 400")] = None
     web_search_options: _neutral("web_search_options") = None
     store: _neutral("store") = None
     echo: Annotated[Any, Meta(description=UNSUPPORTED_NOTE, extra_json_schema=CHAT_NEUTRAL["echo"][1])] = None

@@ -62,11 +62,12 @@ def final(p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], p
         lp = chat_logprobs(tokens, ch.logprobs, p.logprobs, names_for(p.tok)) if p.logprobs is not None else None
         thought: str | None = None
         answer: str | None = text
+        calls: list[tuple[str, str]] = []
         if p.reasoning is not None:
-            thought, answer = reasoning.split(p.reasoning, text)
+            thought, answer, calls = reasoning.split_calls(p.reasoning, text)
         msg: dict[str, Any] = {"role": "assistant", "content": answer}
         if p.tool_call is not None:
-            msg, finish = tools.message(p.tool_call, answer or "", finish)
+            msg, finish = tools.message(p.tool_call, answer or "", finish, calls)
         if p.reasoning is not None:
             if answer is None and msg.get("content") == "":
                 msg["content"] = None          # no answer: null, with tools as without
@@ -112,7 +113,8 @@ class StreamChoice:
         self.done = False
         self.started = False     # chat's role delta / completion's echo sent
         # a tool call is parsed and sent whole at the end ("auto": only while the output may be one)
-        self.tool_text: list[str] | None = [] if p.tool_call is not None else None
+        # (gpt-oss's calls are told apart by its harmony splitter: its answer streams as text)
+        self.tool_text: list[str] | None = [] if p.tool_call is not None and p.tool_call.fmt != "harmony" else None
         self.held_lp: list[dict[str, Any]] = []   # chat logprobs of the held text
         self.calls_begun = False                  # "auto", a checkpoint's format: a <tool_call> tag came
         self.thinking = p.reasoning.splitter() if p.reasoning is not None else None
@@ -186,7 +188,12 @@ class StreamChoice:
                 head, held = self.thinking.feed(tail), self.thinking.finish()
                 tail = self._think((head[0] + held[0], head[1] + held[1]), None, out)[0]
             finish = "stop" if self.stopper.stopped else ch.finish
-            if self.tool_text is not None:
+            if p.tool_call is not None and getattr(self.thinking, "calls", None):
+                if tail:
+                    out.append(self._entry(tail, None))
+                entry, finish = tool_delta(p, "", finish, self.index, calls=self.thinking.calls)
+                out.append(entry)
+            elif self.tool_text is not None:
                 entry, finish = tool_delta(p, "".join(self.tool_text) + tail, finish, self.index,
                                            {"content": self.held_lp} if self.want_lp else None)
                 out.append(entry)
@@ -197,11 +204,11 @@ class StreamChoice:
         return out
 
 
-def tool_delta(p: ParsedRequest, text: str, finish: str, index: int,
-               lp: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+def tool_delta(p: ParsedRequest, text: str, finish: str, index: int, lp: dict[str, Any] | None = None,
+               calls: list[tuple[str, str]] | None = None) -> tuple[dict[str, Any], str]:
     """A streamed tool-call choice's one delta (all its calls, or the text, with its
-    logprobs ``lp``, when it does not parse) and its finish_reason."""
-    msg, finish = tools.message(p.tool_call, text, finish)
+    logprobs ``lp``, when it does not parse) and its finish_reason (``calls``: harmony's)."""
+    msg, finish = tools.message(p.tool_call, text, finish, calls)
     delta: dict[str, Any] = {"content": msg["content"]} if msg["content"] is not None else {}
     if "tool_calls" in msg:
         delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(msg["tool_calls"])]

@@ -3,6 +3,7 @@ template instead of bytes, and its EOS tokens (generation_config.json) as stop t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,15 @@ def checkpoint_dir(model: str) -> str | None:
     """``model`` when it names a checkpoint directory (config.json + tokenizer.json), else None."""
     p = Path(model)
     return str(p) if p.is_dir() and (p / "config.json").is_file() else None
+
+
+def model_type(model_dir: str) -> str:
+    """A checkpoint's ``model_type`` (config.json), "" where it has none."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return cfg.get("model_type", "") if isinstance(cfg, dict) else ""
 
 
 def chat_prompt(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

@@ -16,9 +16,10 @@ from services.api_server.bodies import (CHAT_NEUTRAL, MAX_CHOICES, MAX_STOP_LEN,
 from services.api_server.decode import decode
 from services.api_server.errors import ApiError
 from services.api_server.structured import guide
-from shared.hf_tokenizer import continue_final
+from shared import reasoning
+from shared.hf_tokenizer import continue_final, template_variables
 from shared.messages import SamplingParams
-from shared.reasoning import ANSWER_ONLY, Reasoning
+from shared.reasoning import ANSWER_ONLY
 from shared.tokenizer import BOS, EOS, VOCAB_SIZE, StreamDecoder, encode
 
 
@@ -44,7 +45,7 @@ class ParsedRequest:
     prompt_logprobs: int | None = None   # vLLM's prompt_logprobs: top k per prompt token
     ignored: tuple[str, ...] = ()  # unknown top-level fields, ignored (docs/api.md)
     tok: Any = None                # a served checkpoint's tokenizer (None: bytes)
-    reasoning: Any = None          # reasoning.Reasoning: the output's thinking is told from its answer (chat)
+    reasoning: Any = None          # reasoning.for_prompt's: the output's thinking is told from its answer (chat)
     include_reasoning: bool = True  # the thinking is shown (as "reasoning"), not only cut from the content
 
     @property
@@ -56,7 +57,9 @@ class ParsedRequest:
 
     def decoder(self) -> Any:
         """A streaming detokenizer of this request's model."""
-        return self.tok.stream_decoder() if self.tok is not None else StreamDecoder()
+        if self.tok is None:
+            return StreamDecoder()
+        return self.tok.stream_decoder(keep_special=self.reasoning is not None and self.reasoning.keep_special)
 
 
 def chat_template(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -216,15 +219,39 @@ def _part_text(part: Any, role: str, i: int) -> str:
                    param=f"messages[{i}].content")
 
 
-def _messages(msgs: list[ChatMessage], calls_as_text: bool = False) -> list[dict[str, Any]]:
+def _template_kwargs(b: Any, tok: Any) -> dict[str, Any] | None:
+    """chat_template_kwargs, and reasoning_effort for a template that reads it (gpt-oss's
+    sets "Reasoning: low|medium|high" in its system message, as vLLM passes it)."""
+    kwargs = b.chat_template_kwargs
+    if b.reasoning_effort is None:
+        return kwargs
+    template = getattr(tok, "chat_template", None) or ""
+    if not template or "reasoning_effort" not in template_variables(template):
+        raise ApiError(400, "'reasoning_effort' takes effect only where the model's chat template reads it "
+                       "(gpt-oss's does; this model's does not): leave it out", param="reasoning_effort",
+                       code="unsupported_parameter")
+    if (kwargs or {}).get("reasoning_effort", b.reasoning_effort) != b.reasoning_effort:
+        raise ApiError(400, "'reasoning_effort' and chat_template_kwargs.reasoning_effort differ: send one",
+                       param="reasoning_effort")
+    return {**(kwargs or {}), "reasoning_effort": b.reasoning_effort}
+
+
+def _messages(msgs: list[ChatMessage], calls_as_text: bool = False,
+              template_reads_calls: bool = False) -> list[dict[str, Any]]:
     """The chat turns as the templates take them: role and text content (and a tool turn's
     call id, an assistant turn's earlier calls). ``calls_as_text``: a template that reads
     no ``tool_calls`` (the byte model's) gets an assistant turn's calls in its text, after
-    whatever text the turn has (they were lost where that text was "" or words)."""
+    whatever text the turn has (they were lost where that text was "" or words).
+    ``template_reads_calls``: a checkpoint's template that shows ``tool_calls`` itself gets
+    a call turn's null content as "" (not the calls twice) and each call's arguments as an
+    object where they parse (as vLLM passes them: templates ``tojson`` them)."""
     out = []
     for i, m in enumerate(msgs):
         content = m.content
         calls = m.tool_calls if m.role == "assistant" else None
+        if calls and template_reads_calls:
+            calls = [tools.arguments_parsed(c) for c in calls]
+            content = "" if content is None else content
         if content is None and m.role == "assistant" and not calls_as_text:
             # an assistant turn that called tools: the calls are its text in the prompt
             content = tools.render_calls(calls) if calls else ""
@@ -238,7 +265,7 @@ def _messages(msgs: list[ChatMessage], calls_as_text: bool = False) -> list[dict
         d: dict[str, Any] = {"role": m.role, "content": content}
         thought = m.reasoning if m.reasoning is not None else m.reasoning_content
         if thought is not None and m.role == "assistant":
-            d["reasoning_content"] = thought
+            d["reasoning_content"] = d["thinking"] = thought     # (gpt-oss's template reads "thinking")
         if calls:
             d["tool_calls"] = calls
         if m.role == "tool" and m.tool_call_id is not None:
@@ -282,16 +309,20 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
     g_vocab = None if tok is None else tok.grammar_vocab   # the tokens structured output compiles for
     tool_call = tools.parse_tools(b, g_vocab)[1] if chat else None
     if tool_call is not None and tok is not None and tool_call.mode == "auto":
-        tool_call.fmt = "hermes"        # what a checkpoint's template teaches it to write
+        # what a checkpoint's template teaches it to write (gpt-oss: harmony's commentary channel)
+        tool_call.fmt = "harmony" if reasoning_parser == reasoning.HARMONY else "hermes"
     batch: list[tuple[list[int], str]] = []
     if chat and b.include_reasoning is False and not reasoning_parser:
         raise ApiError(400, "'include_reasoning' false needs a reasoning parser to tell the thinking from the answer: "
                        "start the server with LOCKSTEP_REASONING_PARSER (lockstep up --reasoning-parser), or leave "
                        "it out", param="include_reasoning", code="unsupported_parameter")
     if chat and tok is not None:
-        text, prompt = hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b), b.chat_template_kwargs,
+        reads_calls = "tool_calls" in (getattr(tok, "chat_template", None) or "")
+        text, prompt = hf_text.chat_prompt(tok, _messages(b.messages, template_reads_calls=reads_calls),
+                                           *chat_turn(b), _template_kwargs(b, tok),
                                            tools.template_tools(b.tools))
     elif chat:
+        _template_kwargs(b, tok)
         text = byte_chat_prompt(b)
         prompt = encode(text)
     else:
@@ -395,7 +426,7 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
                          prompts=prompts, n=n, best_of=best_of, best_of_lp=best_of_lp, tool_call=tool_call,
                          continuous_usage=continuous_usage, prompt_logprobs=plp, tok=tok,
                          reasoning=None if not (chat and reasoning_parser) else ANSWER_ONLY if g is not None
-                         else Reasoning.for_prompt(reasoning_parser, text),   # a grammar's output is all answer
+                         else reasoning.for_prompt(reasoning_parser, text),   # a grammar's output is all answer
                          include_reasoning=not chat or b.include_reasoning is not False)
 
 

@@ -230,10 +230,10 @@ def _neutral_only(b: ResponsesBody) -> None:
                    "background": "responses run in the foreground here"}.get(name, "not supported yet")
             raise ApiError(400, f"'{name}': {why}; send {orjson.dumps(neutral[-1]).decode()} or leave it out",
                            param=name, code="unsupported_parameter")
-    if b.reasoning is not None and any(v is not None for v in b.reasoning.values()):
-        raise ApiError(400, "'reasoning' (effort, summary) is not supported: a reasoning model thinks as its chat "
-                       "template has it, and with a reasoning parser its thinking is a reasoning output item; "
-                       "leave it out", param="reasoning", code="unsupported_parameter")
+    if b.reasoning is not None and any(v is not None for k, v in b.reasoning.items() if k != "effort"):
+        raise ApiError(400, "'reasoning': only 'effort' is supported (a reasoning model's thinking is a "
+                       "reasoning output item, whole, with a reasoning parser): leave the rest out",
+                       param="reasoning", code="unsupported_parameter")
     for i, inc in enumerate(b.include or ()):
         if inc != LOGPROBS_INCLUDE:
             raise ApiError(400, f"'include[{i}]': only {LOGPROBS_INCLUDE!r} is supported", param=f"include[{i}]",
@@ -257,7 +257,7 @@ def to_chat(raw: bytes) -> tuple[bytes, Translated]:
     for name, v in (("max_completion_tokens", b.max_output_tokens), ("temperature", b.temperature),
                     ("top_p", b.top_p), ("tools", _tools(b)), ("tool_choice", _tool_choice(b.tool_choice, b.tools)),
                     ("parallel_tool_calls", b.parallel_tool_calls), ("response_format", _format(b.text)),
-                    ("user", b.user)):
+                    ("user", b.user), ("reasoning_effort", (b.reasoning or {}).get("effort"))):
         if v is not None:
             chat[name] = v
     logprobs = b.top_logprobs is not None or LOGPROBS_INCLUDE in (b.include or ())
@@ -281,7 +281,7 @@ def to_chat(raw: bytes) -> tuple[bytes, Translated]:
 
 
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
-           "response_format": "text.format", "top_logprobs": "top_logprobs"}
+           "response_format": "text.format", "top_logprobs": "top_logprobs", "reasoning_effort": "reasoning.effort"}
 
 
 def rename_error(exc: ApiError, t: Translated) -> ApiError:

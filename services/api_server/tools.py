@@ -119,6 +119,19 @@ def render_calls(calls: Any) -> str:
                    else {"name": None, "arguments": None} for f in fns])
 
 
+def arguments_parsed(call: Any) -> Any:
+    """An earlier call with its JSON-text arguments as the object they spell (unchanged
+    where they are not an object's JSON)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(fn, dict) and isinstance(fn.get("arguments"), str)):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
+
+
 def _call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": "chatcmpl-tool-" + uuid.uuid4().hex, "type": "function",
             "function": {"name": name, "arguments": arguments}}
@@ -303,11 +316,19 @@ def _cut_call(text: str, i: int, names: tuple[str, ...]) -> tuple[str, str] | No
     return (name, "") if name is not None else None
 
 
-def message(tc: ToolCall, text: str, finish: str) -> tuple[dict[str, Any], str]:
+def message(tc: ToolCall, text: str, finish: str,
+            harmony_calls: list[tuple[str, str]] | None = None) -> tuple[dict[str, Any], str]:
     """(the assistant message, finish_reason) of a tool-call output: content null with the
     calls ("tool_calls" for required and auto, "stop" for a named function, as vLLM); a
     forced output cut by max_tokens keeps its calls as far as they got ("length", content
-    null); the text as content when it does not parse."""
+    null); the text as content when it does not parse. gpt-oss's calls come told apart
+    already (``harmony_calls``, shared/harmony.py), beside its answer ``text``."""
+    if tc.fmt == "harmony":
+        if not harmony_calls:
+            return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": text or None,
+                "tool_calls": [_call(name, args) for name, args in harmony_calls]}, \
+            "tool_calls" if finish == "stop" else finish
     if finish == "stop" and tc.fmt == "hermes":
         found = hermes_calls(tc, text)
         if found is not None:
