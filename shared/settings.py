@@ -216,7 +216,8 @@ class SchedulerSettings(Settings):
     max_wait_ms: float = Field(0.0, description="Staggered: longest a request waits unplaced; 0 = learned (about two steps).")
     request_record_ttl_s: int = Field(600, ge=1, description="Lifetime of a request record <ns>:req:<id>, refreshed at each write (memory: about 350 bytes x request rate x this; docs/operations.md).")
     lease_ms: int = Field(1000, ge=30, description="Leadership lease (renewed every third of it); a standby takes over after it lapses.")
-    metrics_port: int = Field(0, description="Serve Prometheus metrics (lockstep_*) on this port; 0 = off.")
+    metrics_port: int = Field(0, description="Serve Prometheus metrics (lockstep_*) on this port while this scheduler leads (a standby that takes the lead serves them on the same port); 0 = off.")
+    metrics_host: str = Field("0.0.0.0", description="Address the metrics port listens on (lockstep up: its --host).")
 
     def waterfill_kwargs(self) -> dict[str, float]:
         """The waterfill constructor arguments these settings give (the scheduler's, and the
@@ -279,6 +280,7 @@ class EngineSettings(Settings):
     align_lull_window_s: float = Field(2.0, gt=0, description="Coordinated prefill: the averaging time of the prompt rate behind align_lull_prompts (short, so that a falling rate is not taken for a lull).")
     gate_timeout_ms: float = Field(100.0, description="Staggered batches: rank 0 releases a batch whose shares did not all arrive within this.")
     metrics_port: int = Field(0, description="Serve Prometheus metrics (lockstep_engine_*) on this port (a spare: this port + the rank it takes); 0 = off.")
+    metrics_host: str = Field("0.0.0.0", description="Address the metrics port listens on (lockstep up: its --host).")
 
     @model_validator(mode="after")
     def _lone_share_span(self) -> "EngineSettings":

@@ -193,3 +193,26 @@ def test_a_client_gone_mid_body_is_a_counted_499_not_an_unhandled_error(sim_clus
         return _get(s, "lockstep_api_requests_total", endpoint="completions", status="499") \
             - _get(before, "lockstep_api_requests_total", endpoint="completions", status="499") == 4
     poll_until(gone, 15, "four 499s counted")
+
+
+def test_a_scrape_that_reads_the_same_snapshot_again_does_not_count_it_again(tmp_path, monkeypatch):
+    """Unit: in scheduler dispatch each scrape reads the latest snapshot; the counter of
+    snapshots counted every scrape (1, 2, 3, 4 against seq 408 .. 11194)."""
+    import os
+
+    import prometheus_client.values as values
+
+    from services.api_server import metrics_dir
+    from shared.stats import Snapshot
+
+    monkeypatch.setattr(metrics_dir, "ROOT", tmp_path)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+    saved = values.ValueClass
+    try:
+        m = ApiMetrics("x", prepare("ns", 1, str(os.getpid())))
+        for seq in (7, 7, 7, 8, 8):
+            m.observe_snapshot(Snapshot(wave=1, step=seq, t=0.0, ranks={}, seq=seq))
+        assert m.snapshots._value.get() == 2
+    finally:
+        values.ValueClass = saved

@@ -330,17 +330,25 @@ def _with_spares(cluster):
 
 def test_leader_scheduler_killed_during_burst(tmp_path):
     """Kill the leading scheduler mid-burst: a standby takes the lease, and every request
-    completes, each generated exactly once (no position of any request streamed twice)."""
+    completes, each generated exactly once (no position of any request streamed twice);
+    the new leader serves the scheduler's metrics on the same port (standbys had none)."""
     import json
     import signal
 
     import redis
 
     from shared.keys import Keys
+    from shared.redis_server import free_port
     from shared.tokenizer import encode
-    from tests.helpers import sim_expected_text
+    from tests.helpers import poll_until, sim_expected_text
 
-    cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim", "--schedulers", "2")
+    mport = free_port()
+    os.environ["LOCKSTEP_METRICS_PORT"] = str(mport)     # `up` passes LOCKSTEP_* on to its children
+    try:
+        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim",
+                                "--schedulers", "2")
+    finally:
+        os.environ.pop("LOCKSTEP_METRICS_PORT", None)
     try:
         r = redis.Redis.from_url(cluster.redis_url)
         keys = Keys(cluster.namespace)
@@ -375,6 +383,14 @@ def test_leader_scheduler_killed_during_burst(tmp_path):
                     assert k not in pos, f"{d['id']} position {k} generated twice"
                     pos.add(k)
         assert len(seen) == 200
+
+        def scheduler_metrics():
+            try:
+                res = httpx.get(f"http://127.0.0.1:{mport}/metrics", timeout=5)
+            except httpx.HTTPError:
+                return None
+            return res.status_code == 200 and "lockstep_scheduler_" in res.text
+        poll_until(scheduler_metrics, 30, what="the new leader's metrics", interval=0.5)
     finally:
         cluster.stop()
 

@@ -118,3 +118,28 @@ async def test_engine_rereads_all_its_pending_entries_after_a_lost_reply(redis_u
         assert reader.read_from() == ">"             # done: back to new entries
     finally:
         await r.aclose()
+
+
+async def test_a_dead_schedulers_consumer_is_forgotten_once_it_holds_nothing(redis_url, namespace):
+    # Each failover left the dead leader's name in the requests group for good.
+    from services.scheduler.intake import forget_idle_consumers
+
+    r = connect(redis_url)
+    keys = K.Keys(namespace)
+    try:
+        await ensure_group(r, keys.requests, K.SCHEDULER_GROUP, "0")
+        for i in range(3):
+            await r.xadd(keys.requests, {FIELD: b"{}"})
+        await r.xreadgroup(K.SCHEDULER_GROUP, "sched-dead", {keys.requests: ">"}, count=1)
+        got = await r.xreadgroup(K.SCHEDULER_GROUP, "sched-stepped-down", {keys.requests: ">"}, count=1)
+        await r.xack(keys.requests, K.SCHEDULER_GROUP, got[0][1][0][0])
+        await r.xreadgroup(K.SCHEDULER_GROUP, "sched-me", {keys.requests: ">"}, count=1)
+        await r.xack(keys.requests, K.SCHEDULER_GROUP, *[e[0] for e in (await r.xrange(keys.requests))[2:]])
+        # nothing is idle for an hour yet: nothing goes
+        assert await forget_idle_consumers(r, keys, "sched-me", 3_600_000) == 0
+        assert await forget_idle_consumers(r, keys, "sched-me", 0) == 1
+        names = {c["name"] for c in await r.xinfo_consumers(keys.requests, K.SCHEDULER_GROUP)}
+        # the one holding an entry stays (its entry is reclaimed first), and the leader
+        assert {n.decode() if isinstance(n, bytes) else n for n in names} == {"sched-dead", "sched-me"}
+    finally:
+        await r.aclose()

@@ -133,11 +133,14 @@ class LocalCluster(Supervisor):
             "log_dir": str(self.log_dir), "started": time.time()})
         env = self._env()
         # Metrics only if asked: LOCKSTEP_METRICS_PORT=N gives the scheduler N and rank i N+1+i.
+        # They listen on up's --host, as the API does (LOCKSTEP_METRICS_HOST overrides it).
         mport = int(env.pop("LOCKSTEP_METRICS_PORT", "") or 0)
-        port_env = (lambda n: {"LOCKSTEP_METRICS_PORT": str(mport + n)} if mport else {})
+        mhost = env.pop("LOCKSTEP_METRICS_HOST", "") or o.host
+        port_env = (lambda n: {"LOCKSTEP_METRICS_PORT": str(mport + n), "LOCKSTEP_METRICS_HOST": mhost}
+                    if mport else {})
         self._spawn("scheduler", ["scheduler"], {**env, **port_env(0)})
-        for i in range(1, o.schedulers):   # standbys: take the lease when the leader dies
-            self._spawn(f"scheduler-{i}", ["scheduler"], env)
+        for i in range(1, o.schedulers):   # standbys: take the lease (and the metrics port) when the leader dies
+            self._spawn(f"scheduler-{i}", ["scheduler"], {**env, **port_env(0)})
         for i in range(o.ranks):
             self._spawn(f"engine-{i}", ["engine-worker"], {**env, "LOCKSTEP_RANK": str(i), **port_env(1 + i)})
         # Hot spares (they take only slots of a group that formed, never a starting rank's);

@@ -62,7 +62,12 @@ class ApiMetrics:
         self.dispatch = Counter("lockstep_api_dispatch_decisions", "Client-dispatch decisions by rank",
                                 ["rank"], registry=r)
         # The step-consistent load view as this replica last saw it (snapshot channel).
-        self.snapshots = Counter("lockstep_api_snapshots", "Snapshots received from the scheduler", registry=r)
+        # distinct ones: in scheduler dispatch a replica reads the latest at each scrape, and a
+        # scrape that finds the same one again is not another snapshot
+        self.snapshots = Counter("lockstep_api_snapshots", "Distinct scheduler snapshots this replica has read "
+                                 "(client dispatch: each it follows; scheduler dispatch: the latest, at each scrape)",
+                                 registry=r)
+        self._seen_seq: int | None = None
         last = "mostrecent"     # the same view on every replica: the latest one written
         self.snapshot_seq = Gauge("lockstep_api_snapshot_seq", "Sequence number of the last snapshot", registry=r,
                                   multiprocess_mode=last)
@@ -144,7 +149,9 @@ class ApiMetrics:
 
     def observe_snapshot(self, snap: Any) -> None:
         """Gauges of one published Snapshot (shared/stats.py)."""
-        self.snapshots.inc()
+        if snap.seq != self._seen_seq:
+            self._seen_seq = snap.seq
+            self.snapshots.inc()
         self.snapshot_seq.set(snap.seq)
         self.snapshot_step.labels("wave").set(snap.wave)
         self.snapshot_step.labels("step").set(snap.step)

@@ -9,11 +9,12 @@ prometheus_client's thread and only read plain numbers and the last (immutable) 
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from shared.metrics_http import serve
 from shared.stats import RankStats
 
 _STEP = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -92,10 +93,10 @@ class EngineMetrics:
         yield pre
 
 
-def start_metrics(port: int, rank: int, addr: str = "0.0.0.0") -> EngineMetrics | None:
+def start_metrics(port: int, rank: int, addr: str = "0.0.0.0", log: Any = None) -> EngineMetrics | None:
     """Serve this rank's metrics on ``port`` (0 = off). Returns the hook object or None."""
     if not port:
         return None
     m = EngineMetrics(rank)
-    start_http_server(port, addr=addr, registry=m.registry)
+    serve(port, addr, m.registry, log)
     return m

@@ -130,7 +130,7 @@ class EngineWorker:
                                                                   "step": st.step, "idle_forwards": st.idle_forwards})
             from services.engine_worker.metrics import start_metrics
             port = self.s.metrics_port + rank if self.s.spare and self.s.metrics_port else self.s.metrics_port
-            st.metrics = start_metrics(port, rank)
+            st.metrics = start_metrics(port, rank, self.s.metrics_host, self.log)
             self.log.info("engine_ready", world=self.s.ranks, backend=self.s.backend, pid=os.getpid())
             try:
                 await self._step_loop()

@@ -27,6 +27,28 @@ STRANDED_MIN_S = 10.0
 STRANDED_LEASES = 5         # ... or this many leases, whichever is longer
 STRANDED_SWEEP_S = 5.0      # how often the leader looks for them
 
+# The group's consumers that hold nothing and have read nothing for ARGV[3] ms, other than
+# the leader's own: dead or stepped-down schedulers (a standby never reads the group), one
+# more name per failover otherwise, forever. Checked and deleted in one script, so one that
+# reads again in between keeps its entries (DELCONSUMER drops a consumer's pending ones).
+FORGET_IDLE = """
+local gone = 0
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local f = {}
+  for i = 1, #c, 2 do f[c[i]] = c[i + 1] end
+  if f['name'] ~= ARGV[2] and tonumber(f['pending']) == 0 and tonumber(f['idle']) >= tonumber(ARGV[3]) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], f['name'])
+    gone = gone + 1
+  end
+end
+return gone
+"""
+
+
+async def forget_idle_consumers(r: Any, keys: K.Keys, me: str, min_idle_ms: int) -> int:
+    """Delete the requests group's idle, empty consumers other than ``me``; how many."""
+    return int(await r.eval(FORGET_IDLE, 1, keys.requests, K.SCHEDULER_GROUP, me, min_idle_ms))
+
 
 class Intake:
     """Writes ``state.unplaced`` (requests the policy keeps for now) and clears ``state.redis_trouble``."""
@@ -57,6 +79,8 @@ class Intake:
             # stream's trim stops at the oldest of them.
             self._sweep_at = time.monotonic() + STRANDED_SWEEP_S
             await self._reclaim_pending(self.stranded_ms)
+            if gone := await forget_idle_consumers(self.r, self.keys, self.id, self.stranded_ms):
+                self.log.info("forgot_idle_consumers", n=gone)
         block = 1000 if not self._retry_at else max(1, min(1000, int((self._retry_at - time.monotonic()) * 1000)))
         resp = await self.r.xreadgroup(K.SCHEDULER_GROUP, self.id, {self.keys.requests: ">"},
                                        count=self.s.read_count, block=block)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from shared.metrics_http import serve
 
 _WAIT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _SERVICE_COUNTERS = {
@@ -140,10 +142,10 @@ class SchedulerMetrics:
                 self.batches.labels(a.reason).inc()
 
 
-def start_metrics(service: Any, port: int, addr: str = "0.0.0.0") -> SchedulerMetrics | None:
+def start_metrics(service: Any, port: int, addr: str = "0.0.0.0", log: Any = None) -> SchedulerMetrics | None:
     """Serve the scheduler's metrics on ``port`` (0 = off). Returns the hook object or None."""
     if not port:
         return None
     m = SchedulerMetrics(service)
-    start_http_server(port, addr=addr, registry=m.registry)
+    serve(port, addr, m.registry, log)
     return m

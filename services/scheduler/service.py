@@ -93,7 +93,7 @@ class SchedulerService:
         self.log.info("scheduler_leading", policy=self.s.policy, ranks=self.s.ranks,
                       dispatcher=self.state.dispatcher_id)
         from services.scheduler.metrics import start_metrics
-        self.metrics = self.writer.metrics = start_metrics(self, self.s.metrics_port)
+        self.metrics = self.writer.metrics = start_metrics(self, self.s.metrics_port, self.s.metrics_host, self.log)
         # First what this consumer (or a dead predecessor) read but never acked.
         self.state.redis_trouble = True
         loops = {"requests": self.intake.iteration, "stats": self.steps.iteration,
