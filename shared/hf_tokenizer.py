@@ -100,6 +100,7 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         self.eos_token_ids = self._eos_ids(d)
+        self._byte_inverse: dict[str, int] | None = None   # token_bytes: ByteLevel's map ({}: not byte-level)
 
     def _eos_ids(self, d: Path) -> tuple[int, ...]:
         gen = _read_json(d / "generation_config.json").get("eos_token_id")
@@ -129,6 +130,23 @@ class HFTokenizer:
 
     def is_special(self, t: int) -> bool:
         return t in self._special_ids
+
+    def token_bytes(self, t: int) -> bytes:
+        """The bytes token ``t`` stands for (b"" for a special token): a byte-level BPE
+        token's own bytes, a byte-fallback piece's byte, a metaspace piece's text with its
+        spaces; a piece of a multi-byte character is its bytes, not U+FFFD's."""
+        s = self.token_str(t)
+        if self.is_special(t) or not s:
+            return b""
+        if self._byte_inverse is None:
+            raw = json.loads(self._tok.to_str()).get("decoder") or {}
+            kinds = {raw.get("type")} | {x.get("type") for x in raw.get("decoders") or []}
+            self._byte_inverse = _byte_level_inverse() if "ByteLevel" in kinds else {}
+        if self._byte_inverse:
+            return bytes(self._byte_inverse.get(c, 0x3F) for c in s)
+        if m := _BYTE_TOKEN.match(s):
+            return bytes([int(m.group(1), 16)])
+        return s.replace("\u2581", " ").encode("utf-8")
 
     @property
     def grammar_vocab(self) -> Any:
@@ -284,21 +302,7 @@ def _byte_level_inverse() -> dict[str, int]:
 def token_bytes_table(tok: HFTokenizer) -> list[bytes]:
     """The bytes each token id stands for (b"" for special tokens): the engine's view of
     the text for stop strings, as the byte tokenizer's ids are its bytes."""
-    raw = json.loads(tok._tok.to_str()).get("decoder") or {}
-    kinds = {raw.get("type")} | {x.get("type") for x in raw.get("decoders") or []}
-    inv = _byte_level_inverse() if "ByteLevel" in kinds else None
-    out = []
-    for i in range(tok.vocab_size):
-        s = tok.token_str(i)
-        if tok.is_special(i) or not s:
-            out.append(b"")
-        elif inv is not None:
-            out.append(bytes(inv.get(c, 0x3F) for c in s))
-        elif m := _BYTE_TOKEN.match(s):
-            out.append(bytes([int(m.group(1), 16)]))
-        else:
-            out.append(s.replace("\u2581", " ").encode("utf-8"))
-    return out
+    return [tok.token_bytes(i) for i in range(tok.vocab_size)]
 
 
 def load_tokenizer(model_dir: str | None, byte_chat: Callable[..., str]) -> TextTokenizer:

@@ -307,6 +307,10 @@ def test_checkpoint_token_names(tmp_path):
     assert names.text(eos) == "<|im_end|>" and names.bytes(eos) is None
     ch = chat_logprobs(ids[:1], [[-1.0, [[ids[0], -1.0]]]], 1, names)
     assert ch["content"][0]["bytes"] == list(part["tokens"][0].encode())
+    # a token that is part of one character: its own bytes (they were U+FFFD's, EF BF BD)
+    for text in ("東京", "😀"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(bytes(names.bytes(t)) for t in ids) == text.encode()
 
 
 @pytest.mark.slow

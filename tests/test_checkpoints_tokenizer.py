@@ -246,6 +246,13 @@ def test_api_parse_uses_the_checkpoints_tokenizer_template_and_eos(tok_dir):
     with pytest.raises(ApiError, match="token ids must be within"):
         parse({"model": "m", "prompt": [1, tok.vocab_size]}, "completion", served_model="m", max_model_len=512,
               num_ranks=1, tok=tok)
+    # one token id is a prompt of one token (it was taken for the int 65 and refused)
+    for prompt in ([65], [[65]]):
+        assert parse({"model": "m", "prompt": prompt}, "completion", served_model="m", max_model_len=512,
+                     num_ranks=1, tok=tok).prompt == [65]
+    with pytest.raises(ApiError, match="token ids must be within"):
+        parse({"model": "m", "prompt": [tok.vocab_size]}, "completion", served_model="m", max_model_len=512,
+              num_ranks=1, tok=tok)
     # logprobs name tokens by the checkpoint's tokenizer (services/api_server/logprobs.py CheckpointNames)
     assert parse({"model": "m", "prompt": "x", "logprobs": 1}, "completion", served_model="m", max_model_len=512,
                  num_ranks=1, tok=tok).params.logprobs == 1

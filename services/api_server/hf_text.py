@@ -54,8 +54,8 @@ def chat_prompt(tok: Any, messages: list[dict[str, Any]], add_generation_prompt:
 
 
 def completion_prompt(tok: Any, prompt: Any) -> tuple[list[int], str]:
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]        # ["text"] or [[ids]]; [65] is one token, not the int 65
     if isinstance(prompt, str):
         return tok.encode(prompt), prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

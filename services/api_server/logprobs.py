@@ -36,7 +36,9 @@ class CheckpointNames:
         return self.tok.decode([t]) or self.tok.token_str(t)
 
     def bytes(self, t: int) -> list[int] | None:
-        return list(self.text(t).encode()) if not self.tok.is_special(t) else None
+        """The token's own bytes (OpenAI's): a piece of a multi-byte character is its bytes,
+        which its text (U+FFFD) does not tell."""
+        return list(self.tok.token_bytes(t)) if not self.tok.is_special(t) else None
 
     def offsets(self, tokens: list[int], start: int) -> tuple[list[int], int]:
         out, n = [], start
