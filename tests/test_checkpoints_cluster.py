@@ -60,7 +60,8 @@ def test_completions_equal_transformers_generate_on_both_ranks(served):
         for rank in (0, 1):
             r = client.completions.create(model=name, prompt=prompt, max_tokens=MAX_NEW, temperature=0,
                                           extra_body={"data_parallel_rank": rank})
-            assert r.choices[0].text == hf_tok.decode(want, skip_special_tokens=True), (prompt, rank)
+            # (a character cut in two by max_tokens is dropped, as vLLM drops it: no U+FFFD at the end)
+            assert r.choices[0].text == hf_tok.decode(want, skip_special_tokens=True).rstrip("\ufffd"), (prompt, rank)
             assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(want)
             assert r.choices[0].finish_reason == ("length" if len(want) == MAX_NEW else "stop")
 
@@ -70,7 +71,7 @@ def test_chat_uses_the_checkpoints_template_and_streams_the_same_text(served):
     for msgs in CHATS:
         ids = hf_tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        want = hf_tok.decode(greedy(ref, hf_tok, ids), skip_special_tokens=True)
+        want = hf_tok.decode(greedy(ref, hf_tok, ids), skip_special_tokens=True).rstrip("\ufffd")
         r = client.chat.completions.create(model=name, messages=msgs, max_tokens=MAX_NEW, temperature=0)
         assert r.choices[0].message.content == want
         assert r.usage.prompt_tokens == len(ids)

@@ -113,14 +113,12 @@ def classify(expected: str, max_tokens: int, text: str | None, tokens: int | Non
 def expected_text(prompt: str, max_tokens: int, seed: int) -> str:
     """What the sim backend answers with ``ignore_eos``: a pure function of (seed, prompt, position)."""
     from services.engine_worker.sim_backend import SimTokenStream
-    from shared.tokenizer import EOS, encode
+    from shared.tokenizer import EOS, StreamDecoder, encode
 
     stream = SimTokenStream(seed, encode(prompt))
-    out = bytearray()
-    for pos in range(max_tokens):
-        tok = stream.token_at(pos)
-        out.append(ord(" ") if tok == EOS else tok)
-    return out.decode("utf-8", errors="replace")
+    out = [ord(" ") if (tok := stream.token_at(pos)) == EOS else tok for pos in range(max_tokens)]
+    dec = StreamDecoder()          # as the api-server decodes it: a character cut at the end is dropped
+    return dec.feed(out) + dec.flush()
 
 
 # ---------------------------------------------------------------------------- the load
