@@ -57,10 +57,11 @@ class Hosts:
                     "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
         return env
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str, unset: tuple[str, ...] = ()) -> subprocess.Popen:
         # Its own session: a "host" is killed as a whole with killpg.
+        env = {k: v for k, v in self.env().items() if k not in unset}
         with open(self.tmp / f"{name}.log", "ab") as fh:
-            proc = subprocess.Popen([sys.executable, "-m", "services.admin.cli", *args], env=self.env(), cwd=ROOT,
+            proc = subprocess.Popen([sys.executable, "-m", "services.admin.cli", *args], env=env, cwd=ROOT,
                                     stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         self.procs[name] = proc
@@ -250,3 +251,33 @@ def test_a_host_killed_mid_stream_is_replaced_by_a_host_of_spares(hosts):
     got = _pinned(h.api_url, 4, "after-b")
     assert got == {r: [4, 4] for r in range(WORLD)}, got
     assert c.poll() is None
+
+
+def test_a_host_takes_the_clusters_backend_and_one_of_another_is_refused(hosts):
+    """The probe's deployment: `lockstep init` (sim, 4 ranks), host A with --backend sim,
+    host B with neither --backend nor LOCKSTEP_BACKEND. B ran torch (the flag's default)
+    and the group re-formed every few seconds for ever; now it runs the record's sim and
+    the group serves. A host told torch is refused (exit 2) with the fix, before it starts
+    a rank, and the group it would have joined serves on."""
+    h = hosts("sim")
+    init = h.start("init", "init")
+    assert init.wait(30) == 0, h.log("init")
+    del h.procs["init"]
+    assert h.r.hget(h.k.cluster, "backend") == b"sim"
+    h.start("scheduler", "scheduler")
+    h.start("api", "api-server")
+    h.engine_host("host-a", HOST_A, "--ranks", "0-1")
+    b = h.start("host-b", "engine", "--advertise-addr", HOST_B, "--redis-url", h.redis_url, "--namespace",
+                h.namespace, "--log-dir", str(h.tmp / "host-b"), "--ranks", "2-3", unset=("LOCKSTEP_BACKEND",))
+    h.wait_serving()
+    assert "ranks 2-3 of 4 (sim, cpu)" in h.log("host-b")
+    assert [h.r.hget(h.k.rank_info(i), "backend") for i in range(WORLD)] == [b"sim"] * WORLD
+    torch_host = h.start("host-t", "engine", "--advertise-addr", HOST_C, "--redis-url", h.redis_url,
+                         "--namespace", h.namespace, "--log-dir", str(h.tmp / "host-t"), "--spares", "1",
+                         "--backend", "torch")
+    assert torch_host.wait(30) == 2, h.log("host-t")
+    del h.procs["host-t"]
+    assert "runs backend sim" in h.log("host-t") and "Pass --backend sim" in h.log("host-t"), h.log("host-t")
+    got = _pinned(h.api_url, 4, "one backend")
+    assert got == {r: [4, 4] for r in range(WORLD)}, got
+    assert b.poll() is None

@@ -8,7 +8,9 @@ freed at once and announced, so a spare on any host takes it). The ranks join th
 through Redis: rank 0 publishes where the group meets (``<ns>:dist``), every rank's
 torch.distributed sockets listen on ``--advertise-addr``, the address the other hosts reach
 this one at. The group's size is ``--world-size`` or, when not given, the ``ranks`` the
-scheduler (or ``lockstep up``/``lockstep init``) published in ``<ns>:cluster``.
+scheduler (or ``lockstep up``/``lockstep init``) published in ``<ns>:cluster``; the backend
+is ``--backend`` (``LOCKSTEP_BACKEND``) or the record's, and a host whose backend the record
+contradicts is refused (its ranks would break every collective of the group).
 
 Ctrl-C or SIGTERM: this host's ranks leave the group (each hands its requests over to the
 others and frees its slot, where a spare can take it), then the command exits.
@@ -97,14 +99,32 @@ def interface_of(addr: str) -> str | None:
     return None
 
 
-async def published_world(url: str, namespace: str) -> int | None:
-    """The group size the scheduler (or `up`, `init`) published in ``<ns>:cluster``."""
+async def cluster_record(url: str, namespace: str) -> dict[str, str]:
+    """``<ns>:cluster``: what `up`, `init` or the scheduler published (empty: nothing yet)."""
     r = connect(url, timeout_s=5.0)
     try:
-        v = await r.hget(K.Keys(namespace).cluster, "ranks")
+        rec = await r.hgetall(K.Keys(namespace).cluster)
     finally:
         await r.aclose()
-    return int(v) if v else None
+    return {k.decode(): v.decode() for k, v in rec.items()}
+
+
+def resolve_backend(given: str | None, recorded: str | None, namespace: str) -> str:
+    """This host's backend: ``--backend`` (or LOCKSTEP_BACKEND), else the cluster record's,
+    else torch. Refused where the two disagree: the ranks of one group exchange the
+    backend's tensors at every step, so a host of another backend hangs the whole group
+    (it re-formed every few seconds, for ever, while /ready said ready)."""
+    for name, value in (("--backend (or LOCKSTEP_BACKEND)", given), (f"the cluster record's backend ({namespace}:cluster)", recorded)):
+        if value and value not in ("sim", "torch"):
+            raise BadOption(f"{name} must be 'sim' or 'torch', not {value!r}")
+    if given and recorded and given != recorded:
+        raise BadOption(
+            f"this host's backend is {given} (--backend or LOCKSTEP_BACKEND) but the cluster in Redis runs "
+            f"backend {recorded} ({namespace}:cluster, written by `lockstep init` or `lockstep up`): every rank "
+            f"of a group must run one backend. Pass --backend {recorded} (or leave --backend and "
+            f"LOCKSTEP_BACKEND out: the record's is used); to move the whole cluster to {given}, stop every "
+            f"host, run `lockstep init` with LOCKSTEP_BACKEND={given} and start them again")
+    return given or recorded or "torch"
 
 
 def resolve_world(ranks: list[int], given: int | None, published: int | None) -> int:
@@ -311,7 +331,10 @@ def register(app: typer.Typer) -> None:
                                                           "address this host reaches Redis from."),
         device: str = typer.Option("cpu", "--device", envvar="LOCKSTEP_DEVICE",
                                    help="cpu (gloo) or cuda (NCCL; rank r on GPU r modulo this host's GPUs)."),
-        backend: str = typer.Option("torch", "--backend", help="torch (a real MoE) or sim (device cost model)."),
+        backend: Optional[str] = typer.Option(None, "--backend", envvar="LOCKSTEP_BACKEND",
+                                              help="torch (a real MoE) or sim (device cost model); every host of "
+                                                   "the group runs the same. Default: the cluster record's "
+                                                   "(`lockstep init`/`up` wrote it), else torch."),
         spares: int = typer.Option(0, "--spares", min=0,
                                    help="Hot-spare engine processes on this host: each takes a dead rank's slot "
                                         "(any host's) at once."),
@@ -325,15 +348,14 @@ def register(app: typer.Typer) -> None:
                                                  "or the bundled model (default)."),
         dtype: str = typer.Option("auto", "--dtype", help="With --model: auto, bfloat16 or float32."),
         log_dir: Optional[str] = typer.Option(None, "--log-dir", help="Where the rank processes log."),
-        log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
+        log_level: str = typer.Option("info", "--log-level", envvar="LOCKSTEP_LOG_LEVEL",
+                                      help="debug, info, warning, error."),
     ) -> None:
         """Start this host's engine ranks of a group that spans many hosts; they join it through Redis."""
         def fail(msg: str, code: int = 2) -> None:
             typer.secho(f"lockstep: {msg}", fg=typer.colors.RED, err=True)
             raise typer.Exit(code)
 
-        if backend not in ("sim", "torch"):
-            fail(f"--backend must be 'sim' or 'torch', not {backend!r}")
         if device not in ("cpu", "cuda"):
             fail(f"--device must be 'cpu' or 'cuda', not {device!r}")
         if not log_level_known(log_level):
@@ -347,18 +369,22 @@ def register(app: typer.Typer) -> None:
         from services.admin.up import check_device
         from services.engine_worker.model.factory import (check_backend, check_bundled, check_checkpoint,
                                                           check_dtype, is_checkpoint)
-        try:
-            check_backend(model or "", backend)
+        try:   # what can be refused before Redis is asked (with no --backend: as torch, checked again below)
+            resolve_backend(backend, None, namespace)
+            check_backend(model or "", backend or "torch")
             check_dtype(model or "", dtype)
-            check_device(backend, device)
-        except ValueError as exc:
+            check_device(backend or "torch", device)
+        except (BadOption, ValueError) as exc:
             fail(str(exc))
         try:
             wanted = (parse_ranks(ranks) if ranks else host_ranks(host_index, ranks_per_host)
                       if host_index is not None else [])
             asyncio.run(check_reachable(redis_url))
             redis_url = url_with_known_nodes(redis_url)   # a cluster URL naming one node: every node
-            world = resolve_world(wanted, world_size, asyncio.run(published_world(redis_url, namespace)))
+            record = asyncio.run(cluster_record(redis_url, namespace))
+            world = resolve_world(wanted, world_size, int(record["ranks"]) if record.get("ranks") else None)
+            backend = resolve_backend(backend, record.get("backend"), namespace)
+            check_backend(model or "", backend)
             addr = advertise_addr or default_advertise_addr(redis_url)
         except (BadOption, RedisUnreachable, ValueError) as exc:
             fail(str(exc))

@@ -80,6 +80,11 @@ class EngineWorker:
         if r is None:
             return 2
         self.r = r
+        refused = await self._backend_refused()
+        if refused:
+            self.log.error("engine_backend_mismatch", error=refused)
+            await self.r.aclose()
+            return 2     # a setting: a restart cannot help (`lockstep engine` stops this host)
         st = self.state
         self.member = GroupMembership(self.s, r, self.keys, self.log, self.stopping, self.token,
                                       counters=lambda: (st.wave, st.step), adopt=self._adopt_counters)
@@ -156,6 +161,22 @@ class EngineWorker:
             await asyncio.to_thread(liveness)   # its last beat lands before the alive key is dropped
             await self.member.release(self.group_stopped, self.leaving)
             await self.r.aclose()
+
+    async def _backend_refused(self) -> str | None:
+        """Why this rank must not join: the cluster record (``lockstep init``/``up``) names
+        another backend. The ranks of a group exchange the backend's tensors at every step,
+        so one of another backend hung every collective (the group re-formed every few
+        seconds, for ever). None where they agree or the record names none."""
+        recorded = await retrying(lambda: self.r.hget(self.keys.cluster, "backend"), log=self.log,
+                                  what="cluster_record", stop=self.stopping)
+        recorded = recorded.decode() if isinstance(recorded, bytes) else recorded
+        if not recorded or recorded == self.s.backend:
+            return None
+        return (f"this rank's backend is {self.s.backend} (LOCKSTEP_BACKEND) but the cluster in Redis runs backend "
+                f"{recorded} ({self.keys.cluster}, written by `lockstep init` or `lockstep up`): every rank of a "
+                f"group must run one backend. Set LOCKSTEP_BACKEND={recorded} (`lockstep engine`: --backend "
+                f"{recorded}, or neither); to move the whole cluster to {self.s.backend}, stop it, run `lockstep "
+                f"init` with LOCKSTEP_BACKEND={self.s.backend} and start every rank again")
 
     def _wire(self, consumer: str) -> None:
         """The jobs of a rank that holds a slot. ``consumer``: a new name per incarnation,

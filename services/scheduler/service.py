@@ -19,7 +19,7 @@ from typing import Any
 from services.scheduler.batching import BatchReleaser
 from services.scheduler.inbox_writer import InboxWriter
 from services.scheduler.intake import Intake
-from services.scheduler.leadership import Leadership
+from services.scheduler.leadership import ClusterMismatch, Leadership
 from services.scheduler.loops import resilient
 from services.scheduler.membership import Membership
 from services.scheduler.recovery import Recovery
@@ -88,8 +88,13 @@ class SchedulerService:
             return 2
         self.attach(r)
         await ensure_group(self.r, self.keys.requests, K.SCHEDULER_GROUP, "0")
-        if not await self.leadership.become_leader():
-            return 0
+        try:
+            if not await self.leadership.become_leader():
+                return 0
+        except ClusterMismatch as exc:   # a setting: a restart cannot help
+            self.log.error("scheduler_refused", error=str(exc))
+            await self.r.aclose()
+            return 2
         self.log.info("scheduler_leading", policy=self.s.policy, ranks=self.s.ranks,
                       dispatcher=self.state.dispatcher_id)
         from services.scheduler.metrics import start_metrics
