@@ -156,3 +156,15 @@ def test_the_body_limit_follows_the_context_length():
     assert len(ids) <= long_ctx.body_limit
     assert ApiServerSettings().body_limit == 1 << 20                     # a 4,096-token context: 1 MiB
     assert ApiServerSettings(max_body_bytes=5000, max_model_len=131_072).body_limit == 5000   # set: as set
+
+
+def test_config_says_where_the_namespace_came_from():
+    # (a namespace from LOCKSTEP_NAMESPACE was labelled "flag")
+    from services.admin.config_cmd import effective_config
+
+    def source(env, ns):
+        return effective_config(env, {}, ns, None)["scheduler"]["namespace"]["source"]
+    assert source({"LOCKSTEP_NAMESPACE": "mh"}, "mh") == "env"
+    assert source({"LOCKSTEP_NAMESPACE": "mh"}, "other") == "flag"
+    assert source({}, "other") == "flag"
+    assert source({}, "ls") == "default"

@@ -34,7 +34,10 @@ def effective_config(env: dict[str, str], cluster: dict[str, str], namespace: st
         # a renamed setting may still come from its old variable
         source = {n: ("env" if any(S.ENV_PREFIX + a.upper() in env for a in S.names_of(cls, n)) else "default")
                   for n in names}
-        source["namespace"] = "flag"
+        # -n, else LOCKSTEP_NAMESPACE (the option's envvar), else the default
+        source["namespace"] = ("flag" if namespace != env.get(S.ENV_PREFIX + "NAMESPACE", namespace)
+                               else "env" if S.ENV_PREFIX + "NAMESPACE" in env
+                               else "default" if namespace == K.DEFAULT_NAMESPACE else "flag")
         if redis_url:
             source["redis_url"] = "cluster"
         cenv = dict(env)
