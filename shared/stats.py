@@ -37,6 +37,7 @@ class RankStats(Struct):
     recv: dict[str, int] = field(default_factory=dict)  # dispatcher -> highest Assignment.seq received
     extra: dict[str, Any] = field(default_factory=dict)
     prefill_pending: int = 0    # prompt tokens queued or mid-prefill on the rank, not yet computed
+    kv_blocked: bool = False    # its next waiting request cannot start for want of KV blocks
 
     @property
     def kv_usage(self) -> float:

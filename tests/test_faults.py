@@ -232,6 +232,42 @@ def test_queue_wait_bound_answers_429_with_retry_after_and_loses_nothing(tmp_pat
         cluster.stop()
 
 
+def test_a_group_out_of_kv_keeps_its_backlog_where_the_queue_wait_bound_sees_it(tmp_path):
+    """KV for about two sequences a rank, slots for 256: the KV runs out first. Requests
+    placed onto the ranks' queues waited there unseen by max_queue_wait_s: no 429 however
+    long they waited (a torch probe: TTFT up to a minute behind a 3 s bound). Now a rank
+    out of KV takes no more than its KV held, the backlog waits in the scheduler, and the
+    bound answers 429 with Retry-After; every request admitted completes whole."""
+    env = {"LOCKSTEP_MAX_QUEUE_WAIT_S": "1", "LOCKSTEP_NUM_KV_BLOCKS": "16", "LOCKSTEP_MAX_MODEL_LEN": "256"}
+    os.environ.update(env)
+    try:
+        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim")
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+    body = {"model": MODEL, "prompt": "queue", "max_tokens": 120, "ignore_eos": True}
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=cluster.api_url, timeout=120) as client:
+            async def send(k: int) -> httpx.Response:
+                # arrivals over 4 s: a rank's KV is known to be short from its first report
+                # that it ran out, not before
+                await asyncio.sleep(k * 0.05)
+                return await client.post("/completions", json=body)
+            return await asyncio.wait_for(asyncio.gather(*[send(k) for k in range(80)]), 180)
+
+    try:
+        done = asyncio.run(scenario())
+        codes = [r.status_code for r in done]
+        assert set(codes) <= {200, 429} and 200 in codes, codes
+        refused = [r for r in done if r.status_code == 429]
+        assert refused, "no 429: the backlog waited where the bound does not look"
+        assert refused[0].json()["error"]["code"] == "overloaded" and 1 <= int(refused[0].headers["retry-after"]) <= 60
+        assert all(r.json()["usage"]["completion_tokens"] == 120 for r in done if r.status_code == 200)
+    finally:
+        cluster.stop()
+
+
 def test_api_keys(tmp_path):
     os.environ["LOCKSTEP_API_KEYS"] = "key-one,key-two"
     try:

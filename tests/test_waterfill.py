@@ -77,6 +77,32 @@ def test_a_rank_whose_slots_are_full_takes_nothing_until_one_frees():
     assert [a.rank for a in q.submit(_req(1, prompt=100), 0.0)] == [0]
 
 
+def test_a_rank_out_of_kv_takes_nothing_until_a_report_says_it_can_start_its_queue():
+    """A group out of KV before its slots: requests stay here, where the queue's ETA (and so
+    the api-servers' 429s) sees them, and go to the first rank that frees room."""
+    def snap(blocked, seq):
+        s = _snap([50, 10], seq=seq, running=[7, 7], recv={"scheduler": seq - 1})
+        for r, b in enumerate(blocked):
+            s.ranks[r].kv_blocked, s.ranks[r].waiting = b, int(b)
+            s.ranks[r].kv_used = s.ranks[r].kv_total = 32          # full, as a KV-bound rank's is
+        return s
+    p = _placing_at_once(ranks=[0, 1], level_tokens=4096, max_hold_s=10.0, max_seqs=256)
+    p.on_snapshot(snap([False, True], 1))          # rank 1 has the least prefill, but no KV
+    assert [a.rank for a in p.submit(_req(1, prompt=10), 0.0)] == [0]
+    p.on_snapshot(snap([True, True], 2))
+    assert p.submit(_req(2, prompt=10), 0.1) == [] and p.submit(_req(3, prompt=10), 0.2) == []
+    assert p.unplaced == 2 and p.poll(5.0) == []  # a fresh view is trusted: held, not piled on a rank
+    p.on_snapshot(snap([True, False], 3))
+    # rank 1 started its queue: it takes what its KV held when it ran out (7 running) and one queued
+    assert [(a.request_id, a.rank) for a in p.poll(5.1)] == [("2", 1)]
+    assert p.unplaced == 1
+    # its KV clear again (usage low, nobody waiting): the learned limit is forgotten
+    s = snap([True, False], 4)
+    s.ranks[1].kv_used, s.ranks[1].kv_total, s.ranks[1].running = 1, 32, 2
+    p.on_snapshot(s)
+    assert [(a.request_id, a.rank) for a in p.poll(5.2)] == [("3", 1)]
+
+
 def test_a_rank_whose_slots_are_all_taken_still_queues_one_so_a_full_group_admits_together():
     """The queued request starts the step a slot frees, and the queued prompts are the
     backlog the step budget sees (waterfill.QUEUE_ROOM)."""

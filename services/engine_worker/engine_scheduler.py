@@ -156,6 +156,11 @@ class EngineScheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def kv_blocked(self) -> bool:
+        """The next waiting sequence cannot start for want of KV blocks: the rank admits
+        nothing until running sequences free some (the dispatcher holds new work meanwhile)."""
+        return bool(self.waiting) and not self.bm.can_allocate(self.waiting[0], self.waiting[0].num_tokens)
+
     def outstanding_tokens(self) -> int:
         """Prompt (re-)prefill tokens not yet computed + output tokens still to come."""
         total = 0

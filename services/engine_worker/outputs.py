@@ -84,7 +84,7 @@ class Outputs:
                    "round_trips": st.round_trips, "exchange_s": round(st.exchange_s, 6),
                    "comm_s": round(getattr(st.backend, "comm_seconds", 0.0), 6), **_budget_state(st.rs),
                    **(extra or {})},
-            prefill_pending=pending)
+            prefill_pending=pending, kv_blocked=st.core.kv_blocked())
 
     def _report(self, pipe: Any, stats: RankStats, step: bool = True) -> None:
         """The stats of (stats.wave, stats.step): the step's hash, the stats stream, the

@@ -287,7 +287,8 @@ class EngineGroup:
             stats.append(RankStats(
                 r, wave, step, core.num_waiting, core.num_running, sched[r], pf[r], dc[r],
                 core.kv_used, core.kv_total, outstanding, idle[r],
-                dur_ms, t, 0, sum(1 for q in core.waiting if q.held), dict(self.recv[r]), extra, pending))
+                dur_ms, t, 0, sum(1 for q in core.waiting if q.held), dict(self.recv[r]), extra, pending,
+                core.kv_blocked()))
         return stats
 
     @property

@@ -42,15 +42,31 @@ from shared.policy.unseen import UnseenSends
 from shared.stats import Snapshot
 
 
+KV_ROOM_USAGE = 0.9   # a rank whose KV is used below this, with nobody waiting, has room again
+
+
+def kv_seqs_learned(known: int | None, st: Any) -> int | None:
+    """How many sequences a rank's KV holds, as it last showed: its running count when a
+    report says its queue's head waits for KV, raised as it runs more, forgotten once its
+    KV has clear room with nobody waiting (its requests' lengths changed)."""
+    if st.kv_blocked:
+        return st.running if known is None else max(known, st.running)
+    if known is not None and st.waiting == 0 and st.kv_usage < KV_ROOM_USAGE:
+        return None
+    return known if known is None or st.running <= known else st.running
+
+
 class _RankView:
     """One rank as this dispatcher sees it: last snapshot values plus unseen dispatches."""
 
-    __slots__ = ("waiting", "running", "kv_usage", "outstanding", "pending", "unseen")
+    __slots__ = ("waiting", "running", "kv_usage", "kv_blocked", "kv_seqs", "outstanding", "pending", "unseen")
 
     def __init__(self) -> None:
         self.waiting = 0
         self.running = 0
         self.kv_usage = 0.0
+        self.kv_blocked = False        # its queue's head waits for KV blocks
+        self.kv_seqs: int | None = None   # sequences its KV held when it last ran out (None: never lately)
         self.outstanding = 0
         self.pending = 0               # prefill tokens not yet computed
         self.unseen = UnseenSends()    # its .amount: the local addition
@@ -124,7 +140,8 @@ class _LocalViewPolicy:
                 v = self._views[r] = _RankView()
             v.waiting, v.running, v.outstanding = st.waiting, st.running, st.outstanding
             v.pending = st.prefill_pending
-            v.kv_usage = st.kv_usage
+            v.kv_usage, v.kv_blocked = st.kv_usage, st.kv_blocked
+            v.kv_seqs = kv_seqs_learned(v.kv_seqs, st)
             q = v.unseen
             if not q.sends:
                 continue
