@@ -10,9 +10,10 @@ or, to call a tool, ``<|channel|>commentary to=functions.NAME <|constrain|>json<
 {...}<|call|>`` (the recipient may also stand before the channel). The ``analysis``
 channel is thinking; ``final``, and ``commentary`` with no recipient (a preamble the user
 may see), are answer; a message to ``functions.NAME`` is a call of NAME with the message
-as its arguments; one to another recipient (the built-in ``browser``, ``python``) is
-no one's, as those tools are not served. A message ends at ``<|end|>``, ``<|call|>``, ``<|return|>``, or where the
-next header begins. Text outside messages (headers, an ``<|endoftext|>``) is no one's.
+as its arguments; one to another recipient (the built-in ``browser``, ``python``) is no
+one's, as those tools are not served. A message ends at ``<|end|>``, ``<|call|>``,
+``<|return|>``, or where the next header begins. Text outside messages (headers, an
+``<|endoftext|>``) is no one's.
 
 An output that never writes a header is not harmony (a fine-tune, random weights): it is
 all answer. A header is short, so text that has gone ``MAX_HEADER`` characters without

@@ -114,7 +114,8 @@ def resolve_backend(given: str | None, recorded: str | None, namespace: str) -> 
     else torch. Refused where the two disagree: the ranks of one group exchange the
     backend's tensors at every step, so a host of another backend hangs the whole group
     (it re-formed every few seconds, for ever, while /ready said ready)."""
-    for name, value in (("--backend (or LOCKSTEP_BACKEND)", given), (f"the cluster record's backend ({namespace}:cluster)", recorded)):
+    for name, value in (("--backend (or LOCKSTEP_BACKEND)", given),
+                        (f"the cluster record's backend ({namespace}:cluster)", recorded)):
         if value and value not in ("sim", "torch"):
             raise BadOption(f"{name} must be 'sim' or 'torch', not {value!r}")
     if given and recorded and given != recorded:
