@@ -49,11 +49,11 @@ def kv_seqs_learned(known: int | None, st: Any) -> int | None:
     """How many sequences a rank's KV holds, as it last showed: its running count when a
     report says its queue's head waits for KV, raised as it runs more, forgotten once its
     KV has clear room with nobody waiting (its requests' lengths changed)."""
-    if st.kv_blocked:
-        return st.running if known is None else max(known, st.running)
-    if known is not None and st.waiting == 0 and st.kv_usage < KV_ROOM_USAGE:
+    if known is None:
+        return st.running if st.kv_blocked else None
+    if not st.kv_blocked and st.waiting == 0 and st.kv_usage < KV_ROOM_USAGE:
         return None
-    return known if known is None or st.running <= known else st.running
+    return max(known, st.running)
 
 
 class _RankView:
