@@ -34,10 +34,14 @@ BATCH_HASH_TTL_S = 600
 DEFAULT_NAMESPACE = "ls"
 
 
-def admin_command(command: str, namespace: str) -> str:
+def admin_command(command: str, namespace: str, redis_url: str | None = None) -> str:
     """The admin CLI command that acts on this namespace's cluster, as a hint to print:
-    ``lockstep status`` hints at the default cluster, not this one."""
-    return f"lockstep {command}" + ("" if namespace == DEFAULT_NAMESPACE else f" -n {namespace}")
+    ``lockstep status`` hints at the default cluster, not this one. ``redis_url``: the URL
+    the command line named (an external Redis), repeated so the hint reaches the same one;
+    a password in it is shown as ``***``."""
+    from shared.bus import redact_url
+    return (f"lockstep {command}" + ("" if namespace == DEFAULT_NAMESPACE else f" -n {namespace}")
+            + (f" --redis-url {redact_url(redis_url)}" if redis_url else ""))
 
 
 @dataclass(frozen=True, slots=True)

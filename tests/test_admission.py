@@ -154,4 +154,6 @@ def test_hints_name_the_clusters_namespace():
     from shared.keys import admin_command
     assert admin_command("status", "ls") == "lockstep status"
     assert admin_command("resume", "prod") == "lockstep resume -n prod"
+    assert admin_command("resume", "prod", "redis://:s3cret@db:6379/2") == \
+        "lockstep resume -n prod --redis-url redis://:***@db:6379/2"
     assert "`lockstep status -n prod` shows them" in engine_down_message(0, 4, 31.0, "prod")

@@ -19,7 +19,8 @@ async def _num_ranks(r: Any, keys: K.Keys) -> int | None:
     return int(v) if v else None
 
 
-async def set_drained(r: Any, keys: K.Keys, rank: int, drained: bool) -> dict[str, Any]:
+async def set_drained(r: Any, keys: K.Keys, rank: int, drained: bool,
+                      redis_url: str | None = None) -> dict[str, Any]:
     n = await _num_ranks(r, keys)
     if n is not None and not 0 <= rank < n:
         return {"error": f"rank {rank} is not in this cluster (ranks 0..{n - 1})"}
@@ -30,7 +31,7 @@ async def set_drained(r: Any, keys: K.Keys, rank: int, drained: bool) -> dict[st
             # (services/scheduler/membership.py), so this drain would change nothing
             return {"error": f"rank {rank} is the last rank taking new work (drained: {sorted(others)}); with "
                              "every rank drained the scheduler places on all of them again. Resume one first "
-                             f"({K.admin_command('resume', keys.ns)} RANK), or stop the cluster"}
+                             f"({K.admin_command('resume', keys.ns, redis_url)} RANK), or stop the cluster"}
         changed = await r.sadd(keys.drained, rank)
     else:
         changed = await r.srem(keys.drained, rank)
@@ -61,7 +62,7 @@ def drain_cmd(ctx: typer.Context, rank: int = typer.Argument(..., help="DP rank 
     keys = K.Keys(namespace)
 
     async def go(r: Any) -> dict[str, Any]:
-        res = await set_drained(r, keys, rank, True)
+        res = await set_drained(r, keys, rank, True, redis_url)
         if "error" in res or not wait:
             return res
         deadline = time.monotonic() + timeout
@@ -81,7 +82,7 @@ def drain_cmd(ctx: typer.Context, rank: int = typer.Argument(..., help="DP rank 
     else:
         typer.echo(f"rank {rank} drained" + ("" if res["changed"] else " (already)")
                    + f"; drained ranks: {res['drained_ranks']}. The scheduler stops placing work there within "
-                     f"~250 ms; requests already on it finish there. Undo: {K.admin_command('resume', namespace)} {rank}")
+                     f"~250 ms; requests already on it finish there. Undo: {K.admin_command('resume', namespace, redis_url)} {rank}")
         if wait:
             typer.echo(f"rank {rank} is idle" if res["idle"] else f"rank {rank} still has work after {timeout:g}s: "
                                                                   f"{res['load']}")
