@@ -167,15 +167,24 @@ def test_a_chunk_stream_becomes_the_event_stream():
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == "hey"
     # a streamed call is sent at the finish, which says whether it was cut
     _, t = to_chat(orjson.dumps({"model": MODEL, "input": "x", "stream": True}))
-    cut = {"index": 0, "id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": '}}
+    whole = {"index": 0, "id": "w", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    cut = {"index": 1, "id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": '}}
     chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]},
-              {"choices": [{"index": 0, "delta": {"tool_calls": [cut]}, "finish_reason": None}]},
+              {"choices": [{"index": 0, "delta": {"tool_calls": [whole, cut]}, "finish_reason": None}]},
               {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
               {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}]
     events = [json.loads(e.split(b"\ndata: ", 1)[1]) for c in chunks for e in stream_events(c, t, MODEL)]
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
-    assert [(i["type"], i["status"]) for i in done] == [("function_call", "incomplete")]
+    # only the last call can be cut: the whole one before it stands (an agent runs it)
+    assert [(i["type"], i["status"]) for i in done] == [("function_call", "completed"), ("function_call", "incomplete")]
     assert events[-1]["type"] == "response.incomplete"
+    _, t = to_chat(orjson.dumps({"model": MODEL, "input": "x"}))
+    calls = [{k: v for k, v in c.items() if k != "index"} for c in (whole, cut)]
+    body = {"id": "chatcmpl-x", "created": 1, "model": MODEL, "usage": {"prompt_tokens": 1, "completion_tokens": 2,
+                                                                       "total_tokens": 3},
+            "choices": [{"index": 0, "finish_reason": "length",
+                         "message": {"role": "assistant", "content": None, "tool_calls": calls}}]}
+    assert [i["status"] for i in from_chat(body, t)["output"]] == ["completed", "incomplete"]
     _, t = to_chat(orjson.dumps({"model": MODEL, "input": "x", "stream": True}))
     events = [json.loads(e.split(b"\ndata: ", 1)[1]) for e in
               stream_events({"error": {"message": "timed out", "code": "timeout"}}, t, MODEL)]

@@ -341,7 +341,8 @@ def _reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
 
 def _call_item(call: dict[str, Any], finish: str | None) -> dict[str, Any]:
     """A call cut by max_output_tokens is ``incomplete``, as OpenAI marks it: an agent loop
-    must not run a tool on its cut arguments."""
+    must not run a tool on its cut arguments. Only the last call of an answer can be cut
+    (the callers pass ``finish`` for it alone): the whole calls before it stand."""
     return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call["id"],
             "name": call["function"]["name"], "arguments": call["function"]["arguments"],
             "status": "incomplete" if finish == "length" else "completed"}
@@ -357,7 +358,8 @@ def from_chat(body: dict[str, Any], t: Translated) -> dict[str, Any]:
     if msg.get("content") or not msg.get("tool_calls"):
         lp = (choice.get("logprobs") or {}).get("content") if t.logprobs else None
         output.append(_message_item(msg.get("content") or "", "incomplete" if finish == "length" else "completed", lp))
-    output += [_call_item(c, finish) for c in msg.get("tool_calls") or ()]
+    calls = msg.get("tool_calls") or []
+    output += [_call_item(c, finish if i == len(calls) - 1 else None) for i, c in enumerate(calls)]
     return _response(t, "incomplete" if finish == "length" else "completed", output, body.get("usage"), finish,
                      model=body["model"])
 
@@ -427,9 +429,9 @@ def _close_message(t: Translated, status: str) -> list[bytes]:
 
 def _calls(t: Translated) -> list[bytes]:
     out: list[bytes] = _close_reasoning(t)
-    for call in t.calls:
+    for k, call in enumerate(t.calls):
         out += _close_message(t, "completed")
-        item = _call_item(call, t.finish)
+        item = _call_item(call, t.finish if k == len(t.calls) - 1 else None)
         i = len(t.items)
         t.items.append(item)
         out += [_event(t, "response.output_item.added", output_index=i, item={**item, "arguments": "",
