@@ -199,8 +199,9 @@ class Abort(Struct, tag="abort", tag_field="k"):
 class Retire(Struct, tag="retire", tag_field="k", omit_defaults=True):
     """Drop this rank's copy of request ``id`` if its epoch is ``epoch`` or older: its
     api-server resumed it under a newer epoch (the rank was taken for dead while its
-    heartbeat lapsed) and ignores that copy's deltas. Written by the api-server straight
-    to the rank's inbox; no delta answers it. A newer copy stays. ``since``: when it was
+    heartbeat lapsed, or Redis lost the streams) and ignores that copy's deltas. Written
+    straight to the rank's inbox by the api-server, or by the scheduler when it places the
+    newer copy on another rank; no delta answers it. A newer copy stays. ``since``: when it was
     first written (ms), set once the scheduler's recovery puts it back at the tail of an
     inbox whose rank is still taken for dead (services/scheduler/orphan_page.py)."""
 

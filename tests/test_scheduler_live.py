@@ -31,8 +31,9 @@ def _settings(redis_url: str, namespace: str, **kw: Any) -> SchedulerSettings:
     return SchedulerSettings(**base)
 
 
-def _req(rid: str, api: str = "apiT") -> bytes:
-    return dumps(Request(rid, api, list(b"hello"), SamplingParams(max_tokens=4), time.time()).to_dict())
+def _req(rid: str, api: str = "apiT", epoch: int = 0, rank: int | None = None) -> bytes:
+    return dumps(Request(rid, api, list(b"hello"), SamplingParams(max_tokens=4), time.time(), rank=rank,
+                         epoch=epoch).to_dict())
 
 
 @contextlib.asynccontextmanager
@@ -141,6 +142,52 @@ async def test_a_scheduler_stopped_while_redis_is_gone_exits_cleanly(tmp_path):
 async def _inbox_has_abort(r: Any, keys: K.Keys, rank: int, rid: str) -> bool:
     return any(doc.get("k") == "abort" and doc.get("id") == rid
                for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(rank)))]))
+
+
+async def test_a_request_resubmitted_while_held_takes_the_held_ones_place(redis_url, namespace):
+    """An api-server resumes every request in flight when Redis restarted empty, the ones
+    the scheduler still holds unplaced too. The newer copy takes the held one's place: one
+    request placed once, at the new epoch. Before, both went to the batcher: two copies
+    reached the ranks (or a release found none to emit)."""
+    svc = SchedulerService(_settings(redis_url, namespace, max_wait_ms=400.0))
+    keys = svc.keys
+    r = connect(redis_url)
+    try:
+        async with running(svc):
+            await r.xadd(keys.requests, {FIELD: _req("H")})
+            await wait_until(lambda: _unplaced(svc, "H"), timeout=5)
+            await r.xadd(keys.requests, {FIELD: _req("H", epoch=1)})
+            await wait_until(lambda: _have(r, keys, {"H"}), timeout=5)
+            await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
+            copies = [doc for rank in range(2) for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(rank)))])
+                      if doc.get("id") == "H"]
+            assert len(copies) == 1 and copies[0].get("ep") == 1, copies
+            assert not svc.unplaced
+    finally:
+        await r.aclose()
+
+
+async def test_a_resumed_request_placed_on_another_rank_retires_the_copy_left_on_the_first(redis_url, namespace):
+    """A resumed request (new epoch) that the scheduler places on another rank than the
+    copy it placed before: that rank is told to retire the old copy, which its api-server
+    could not (no token had told it the rank), so it does not run on for nobody."""
+    svc = SchedulerService(_settings(redis_url, namespace, policy="least_score"))
+    keys = svc.keys
+    r = connect(redis_url)
+    try:
+        async with running(svc):
+            await r.xadd(keys.requests, {FIELD: _req("M")})
+            first = (await wait_until(lambda: _have(r, keys, {"M"}), timeout=5))["M"]["r"]
+            await r.xadd(keys.requests, {FIELD: _req("M", epoch=1, rank=1 - first)})
+            await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
+            retires = [doc for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(first)))])
+                       if doc.get("k") == "retire"]
+            assert retires == [{"k": "retire", "id": "M", "r": first, "ep": 0}], retires
+            again = [doc for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(1 - first)))])
+                     if doc.get("id") == "M"]
+            assert [d.get("ep") for d in again] == [1] and not any(d.get("k") == "retire" for d in again)
+    finally:
+        await r.aclose()
 
 
 async def test_batcher_full_leaves_the_entry_on_the_stream(redis_url, namespace, monkeypatch):

@@ -360,8 +360,9 @@ class Gateway:
         self._resume(ids)
 
     def _resume(self, ids: Any) -> None:
-        """The scheduler found these requests on a dead rank: resubmit each with the tokens
-        the client already has; the new rank continues exactly where the stream stopped.
+        """Resubmit each of these requests with the tokens the client already has (the
+        scheduler found them on a dead rank; their deltas had a gap; Redis lost them): the
+        new rank continues exactly where the stream stopped.
         A rank taken for dead may only have stalled (its heartbeat lapsed): the rank that
         streamed a request is told to retire its copy, which would otherwise run on, its
         deltas ignored, until it ends."""
@@ -369,8 +370,9 @@ class Gateway:
             ch = self.channels.get(rid)
             if ch is None or ch.finish is not None or ch.req is None:
                 continue
-            if ch.rank >= 0:
-                self._enqueue(self.keys.inbox(ch.rank), encode(Retire(rid, ch.rank, ch.epoch)), None)
+            rank = ch.rank if ch.rank >= 0 else self.rank_of.get(rid)   # (placed here, no token yet)
+            if rank is not None:
+                self._enqueue(self.keys.inbox(rank), encode(Retire(rid, rank, ch.epoch)), None)
             ch.epoch += 1
             req = ch.req
             req.generated = list(ch.tokens)
@@ -381,24 +383,27 @@ class Gateway:
             self._enqueue(self.keys.requests, encode(req), rid)
             if self.metrics is not None:
                 self.metrics.resumed.inc()
-        if self.log is not None:
+        if ids and self.log is not None:
             self.log.warning("requests_resumed", n=len(ids))
 
     async def _after_outage(self, in_flight: set[str]) -> None:
         """Back from a Redis outage. A restarted server without persistence has lost the
-        request and output streams: fail the requests that were in flight when it went
-        (``in_flight``) with a clear, retryable error instead of letting them wait for tokens
-        that will never come. One submitted since went to the server that is back: it runs."""
+        request, inbox and output streams: an entry not yet read and deltas not yet read are
+        gone, and a request waiting on them would wait for tokens that never come. So each
+        request in flight when it went (``in_flight``) is resumed from the tokens its client
+        has, as for a dead rank's: a new epoch, placed again, and the copy still running (if
+        its rank kept it) retired. One submitted since went to the server that is back: it
+        runs as it is."""
         run_id = await server_run_id(self.r, self.keys.dataset)
         lost = not same_data(self.run_id, run_id)   # a failover keeps the data; an empty restart does not
         if self.log is not None:
             self.log.info("redis_reconnected", what="outputs", restarted=lost)
         self.run_id = run_id
         if lost:
-            for rid in in_flight:
-                ch = self.channels.get(rid)
-                if ch is not None:
-                    ch.fail("the cluster's Redis server restarted and lost this request")
+            ids = [rid for rid in in_flight if (ch := self.channels.get(rid)) is not None and ch.finish is None]
+            if ids and self.log is not None:
+                self.log.warning("redis_data_lost", n=len(ids), action="resume")
+            self._resume(ids)
 
     async def _heartbeat(self) -> None:
         """Once a second, in one round trip: this replica's heartbeat, how long the

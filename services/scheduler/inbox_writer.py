@@ -10,7 +10,7 @@ from typing import Any
 
 from services.scheduler.state import SchedulerState
 from shared import keys as K
-from shared.messages import FIELD, Abort, Delta, Request, dumps, encode, encode_deltas
+from shared.messages import FIELD, Abort, Delta, Request, Retire, dumps, encode, encode_deltas
 from shared.policy.base import Assignment
 from shared.settings import SchedulerSettings
 from shared.wake import wake_if_paused
@@ -42,6 +42,12 @@ class InboxWriter:
         self._dispatching = True
         if self.metrics is not None:
             self.metrics.on_dispatch(a, req, now)
+        was = st.assigned.get(req.id)
+        if req.epoch > 0 and was is not None and was != a.rank:
+            # A resumed request moving rank: the copy this leader placed may still run there
+            # (its api-server resumed it without knowing the rank: no token had reached it,
+            # or Redis lost the streams), its deltas ignored, holding KV to its end.
+            pipe.xadd(self.keys.inbox(was), {FIELD: encode(Retire(req.id, was, req.epoch - 1))})
         pipe.xadd(self.keys.inbox(a.rank), {FIELD: encode(req)})
         rec = {"state": "dispatched", "rank": a.rank, "api": req.api, "t_arrival": req.arrival,
                "t_dispatched": now, "prompt_tokens": req.prompt_tokens, "max_tokens": req.params.max_tokens,

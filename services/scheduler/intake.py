@@ -152,6 +152,13 @@ class Intake:
                         st.counters["explicit"] += 1
                         w.emit(pipe, req, st.policy.note_explicit(info, req.rank, now), now)
                         acks.append(eid)
+                    elif st.batching and req.id in st.unplaced:
+                        # Resubmitted while held here (its api-server resumed it after
+                        # Redis lost the streams): the newer copy takes the held one's place.
+                        old_eid, held = st.unplaced[req.id]
+                        keep, drop = ((eid, req), old_eid) if req.epoch >= held.epoch else ((old_eid, held), eid)
+                        st.unplaced[req.id] = keep
+                        acks.append(drop)
                     elif st.batching:
                         st.unplaced[req.id] = (eid, req)
                         try:
