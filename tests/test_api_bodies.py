@@ -49,6 +49,8 @@ def _err(body: dict | bytes, kind: str = "completion") -> ApiError:
     ({"model": "m", "messages": [{"content": "x"}]}, "chat", "messages[0]", "needs the field 'role'"),
     ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "chat", "messages[0].content",
      "must be a string or a list, got 5"),
+    ({"model": "m", "messages": [{"role": "user", "content": None}]}, "chat", "messages[0].content",
+     "'messages[0].content' must be a string or a list of content parts, got null"),
     ({"model": "m", "messages": []}, "chat", "messages", "must be a non-empty list"),
     ({"model": "m", "messages": MSGS, "tool_choice": "maybe"}, "chat", "tool_choice",
      'must be one of "auto", "none", "required", got "maybe"'),

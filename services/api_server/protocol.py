@@ -261,7 +261,8 @@ def _messages(msgs: list[ChatMessage], calls_as_text: bool = False,
             rendered = tools.render_calls(calls) if calls else ""
             content = "\n".join(x for x in (content, rendered) if x)
         if content is None:
-            raise ApiError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+            raise ApiError(400, f"'messages[{i}].content' must be a string or a list of content parts, got null",
+                           param=f"messages[{i}].content")
         d: dict[str, Any] = {"role": m.role, "content": content}
         thought = m.reasoning if m.reasoning is not None else m.reasoning_content
         if thought is not None and m.role == "assistant":
