@@ -34,13 +34,17 @@ FOLLOW_BACKOFF_MAX_S = 5.0   # ... doubling up to this
 # primary after its replica was chosen) is mended by resuming the request from what the
 # client has; a request that keeps losing deltas ends in an error after this many
 MAX_GAP_RESUMES = 3
+# After an outage that kept the data set (a failover, a restart from a snapshot): how long
+# the requests in flight may stay silent before each is checked for writes the outage lost
+# (a decode step is milliseconds; a request still queued is found on its stream and left be)
+OUTAGE_CHECK_S = 5.0
 
 
 class RequestChannel:
     """Tokens of one request as they arrive; ``pos`` in each delta drops duplicates."""
 
     __slots__ = ("id", "tokens", "finish", "error", "code", "prompt_tokens", "event", "rank", "first_t", "last_t",
-                 "req", "epoch", "logprobs", "prompt_lp", "gaps", "gap_epoch")
+                 "req", "epoch", "logprobs", "prompt_lp", "gaps", "gap_epoch", "entry")
 
     def __init__(self, rid: str) -> None:
         self.id = rid
@@ -61,6 +65,7 @@ class RequestChannel:
         self.prompt_lp: list | None = None
         self.gaps = 0           # resumes asked for because deltas were lost
         self.gap_epoch = -1     # the epoch whose stream had a gap (its later deltas are dropped)
+        self.entry: tuple[str, bytes] | None = None   # (stream, id) of its last submission
 
     def _prompt_lp(self, entries: list, pos: int) -> None:
         have = self.prompt_lp if self.prompt_lp is not None else []
@@ -280,7 +285,7 @@ class Gateway:
         if to_inbox:
             wake_if_paused(pipe, self.keys)
         try:
-            await pipe.execute()
+            ids = await pipe.execute()
         except Exception as exc:  # noqa: BLE001 - the requests fail, the server stays up
             if self.metrics is not None:
                 self.metrics.redis_errors.inc()
@@ -290,6 +295,10 @@ class Gateway:
             for _, _, rid in writes:
                 if rid is not None and rid in self.channels:
                     self.channels[rid].fail(f"could not queue the request: {why}, retry shortly")
+            return
+        for (stream, _, rid), eid in zip(writes, ids):
+            if rid is not None and (ch := self.channels.get(rid)) is not None:
+                ch.entry = (stream, eid)
 
     # ------------------------------------------------------------------ outputs
     async def _read_outputs(self) -> None:
@@ -404,6 +413,44 @@ class Gateway:
             if ids and self.log is not None:
                 self.log.warning("redis_data_lost", n=len(ids), action="resume")
             self._resume(ids)
+        elif in_flight:
+            self._tasks = [t for t in self._tasks if not t.done()]
+            self._tasks.append(asyncio.create_task(self._check_after_outage(in_flight, time.monotonic())))
+
+    async def _check_after_outage(self, in_flight: set[str], back_at: float) -> None:
+        """The data set survived the outage, but maybe not its last writes: a replica that
+        took over had not received them (Redis replicates asynchronously), or a restart
+        loaded a snapshot older than them. A request whose submission was lost waits for a
+        dispatch that never comes; one whose last deltas were lost, for an end its rank
+        already wrote. So the requests in flight that stay silent ``OUTAGE_CHECK_S`` after
+        the reconnect are looked up, in one round trip, and resumed from the tokens their
+        clients have where the outage lost them: their submission is gone from its stream
+        and no dispatch recorded, or their record says finished. One still queued (its
+        entry is there) or dispatched and running is left be."""
+        await asyncio.sleep(OUTAGE_CHECK_S)
+        silent = [ch for rid in in_flight if (ch := self.channels.get(rid)) is not None
+                  and ch.finish is None and ch.last_t < back_at and ch.entry is not None]
+        if not silent:
+            return
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for ch in silent:
+                stream, eid = ch.entry
+                pipe.xrange(stream, eid, eid, count=1)
+                pipe.hget(self.keys.req(ch.id), "state")
+            res = await pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - another outage: its own check follows
+            if self.log is not None:
+                self.log.warning("outage_check_failed", error=str(exc))
+            return
+        lost = [ch.id for i, ch in enumerate(silent)
+                if (not res[2 * i] and res[2 * i + 1] is None) or res[2 * i + 1] == b"finished"]
+        if self.log is not None:
+            self.log.info("outage_check", silent=len(silent), lost=len(lost))
+        if lost:
+            if self.log is not None:
+                self.log.warning("redis_writes_lost", n=len(lost), ids=lost[:8], action="resume")
+            self._resume(lost)
 
     async def _heartbeat(self) -> None:
         """Once a second, in one round trip: this replica's heartbeat, how long the
