@@ -70,6 +70,12 @@ class Keys:
         """Stream: work for one DP rank (group ``engine``)."""
         return f"{self.dispatch_tag}:rank:{rank}:inbox"
 
+    def cancels(self, rank: int) -> str:
+        """List: the aborts and retirements sent to one rank's inbox, pushed here too
+        (shared/cancels.py). The rank pops it every step: its inbox stays unread while its
+        waiting queue is full, and an abort behind the backlog would wait there."""
+        return f"{self.dispatch_tag}:rank:{rank}:cancels"
+
     def out(self, api_id: str) -> str:
         """Stream: token deltas for the requests of one api-server."""
         return f"{self.ns}:out:{api_id}"
@@ -179,7 +185,7 @@ class Keys:
     def all_patterns(self) -> list[str]:
         """Every key shape, with placeholders, for docs and ``lockstep`` inspection."""
         return [
-            self.requests, self.inbox("{r}"), self.out("{api}"), self.req("{id}"),  # type: ignore[arg-type]
+            self.requests, self.inbox("{r}"), self.cancels("{r}"), self.out("{api}"), self.req("{id}"),  # type: ignore[arg-type]
             self.step_reports("{wave}", "{step}"), self.stats, self.snapshot, self.steps,  # type: ignore[arg-type]
             self.batch("{id}"), self.rank_alive("{r}"), self.rank_info("{r}"),  # type: ignore[arg-type]
             self.spare("{token}"), self.vacancies, self.dist, self.wave, self.paused, self.leader, self.incarnation, self.scheduler, self.api_alive("{api}"),

@@ -110,3 +110,50 @@ def test_a_resumed_copy_runs_where_the_old_one_ended_but_its_end_is_not_written_
     st2.aborted.append(st2.core.abort("r1"))
     ingest(st2, [(b"2-0", _entry())], log)
     assert st2.core.get("r1") is None and len(st2.aborted) == 1 and st2.acks == [b"2-0"]
+
+
+def _abort() -> dict:
+    from shared.messages import Abort
+    return orjson.loads(encode(Abort("r1", 0, "client_disconnected")))
+
+
+def test_an_abort_from_the_cancels_list_ends_a_request_here_at_once():
+    st, log = _state(), _Log()
+    ingest(st, [(b"1-0", _entry())], log)
+    _run_steps(st, 2)
+    ingest(st, [], log, [_abort()])          # the inbox's copy is still behind the backlog
+    assert st.core.get("r1") is None and [s.id for s in st.aborted] == ["r1"]
+    ingest(st, [(b"9-0", _abort())], log)    # then the inbox's copy: acked, nothing more
+    assert st.acks == [b"9-0"] and len(st.aborted) == 1 and not st.cancelled
+
+
+def test_an_abort_of_a_request_not_read_yet_applies_when_it_is_read():
+    """A rank whose waiting queue is full reads no inbox entry: an abort behind thousands
+    of unread requests waited there while its request ran for nobody (a 6,000-request
+    burst abandoned by its clients ran to completion; the traffic after it queued behind)."""
+    st, log = _state(), _Log()
+    ingest(st, [], log, [_abort()])
+    assert "r1" in st.cancelled and not st.aborted
+    ingest(st, [(b"1-0", _entry()), (b"2-0", _abort())], log)
+    assert st.core.get("r1") is None and [s.id for s in st.aborted] == ["r1"]
+    assert st.acks == [b"2-0"] and not st.cancelled     # (the request's entry is acked with its abort delta)
+
+
+def test_a_retirement_not_read_yet_spares_a_newer_copy():
+    st, log = _state(), _Log()
+    ingest(st, [], log, [_retire(0)])
+    ingest(st, [(b"1-0", _entry(epoch=1, generated=[7]))], log)
+    assert st.core.get("r1").epoch == 1 and not st.cancelled
+    st2, log2 = _state(), _Log()
+    ingest(st2, [], log2, [_retire(0)])
+    ingest(st2, [(b"1-0", _entry())], log2)
+    assert st2.core.get("r1") is None and "stale_copy_retired" in log2.events
+
+
+def test_notes_of_cancels_are_bounded():
+    from services.engine_worker import ingest as ingest_mod
+    from shared.messages import Abort
+    st, log = _state(), _Log()
+    cap = ingest_mod.CANCELLED_MAX
+    ingest(st, [], log, [orjson.loads(encode(Abort(f"x{i}", 0, "gone"))) for i in range(cap + 5)])
+    assert len(st.cancelled) == cap and "x0" not in st.cancelled and f"x{cap + 4}" in st.cancelled

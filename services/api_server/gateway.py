@@ -17,6 +17,7 @@ from typing import Any
 
 from redis.exceptions import OutOfMemoryError
 
+from shared import cancels
 from shared import keys as K
 from shared.bus import decode_entries, same_data, server_run_id
 from shared.messages import FIELD, Abort, Delta, MessageError, Request, Resume, Retire, encode, output_entry
@@ -169,7 +170,7 @@ class Gateway:
         self.channels: dict[str, RequestChannel] = {}
         self.rank_of: dict[str, int] = {}
         self.closing_at = math.inf   # monotonic: when what is in flight must end (begin_close)
-        self._writes: list[tuple[str, bytes, str | None]] = []
+        self._writes: list[tuple[str, bytes, str | None, int | None]] = []
         self._flusher: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
         self.num_ranks = 1
@@ -253,14 +254,16 @@ class Gateway:
     def _send_abort(self, rid: str, rank: int | None, reason: str) -> None:
         """To the rank this replica placed it on (client dispatch), else to the scheduler."""
         stream = self.keys.inbox(rank) if rank is not None else self.keys.requests
-        self._enqueue(stream, encode(Abort(rid, rank, reason)), None)
+        self._enqueue(stream, encode(Abort(rid, rank, reason)), None, cancel_rank=rank)
 
     def release(self, rid: str) -> None:
         self.channels.pop(rid, None)
         self.rank_of.pop(rid, None)
 
-    def _enqueue(self, stream: str, blob: bytes, rid: str | None) -> None:
-        self._writes.append((stream, blob, rid))
+    def _enqueue(self, stream: str, blob: bytes, rid: str | None, cancel_rank: int | None = None) -> None:
+        """Queue one stream write for the next flush. ``cancel_rank``: ``blob`` is an abort
+        or a retirement for that rank's inbox, pushed to its cancels list too (shared/cancels.py)."""
+        self._writes.append((stream, blob, rid, cancel_rank))
         if self._flusher is None:
             self._flusher = asyncio.ensure_future(self._flush_all())
 
@@ -272,16 +275,23 @@ class Gateway:
         finally:
             self._flusher = None
 
-    async def _flush(self, writes: list[tuple[str, bytes, str | None]]) -> None:
+    async def _flush(self, writes: list[tuple[str, bytes, str | None, int | None]]) -> None:
         if trace.ENABLED:
             trace.mark("submit_sent")
         # Client dispatch writes inboxes: in a transaction with the wake-up of a sleeping
         # engine group, which the ranks then read together (shared/wake.py).
         to_inbox = self.client_dispatch and any(rid is not None and stream != self.keys.requests
-                                                for stream, _, rid in writes)
+                                                for stream, _, rid, _ in writes)
         pipe = self.r.pipeline(transaction=to_inbox)
-        for stream, blob, _ in writes:
+        at: list[int] = []     # each write's xadd among the pipeline's replies
+        n = 0
+        for stream, blob, _, cancel_rank in writes:
+            if cancel_rank is not None:
+                cancels.push(pipe, self.keys, cancel_rank, blob)
+                n += 3
             pipe.xadd(stream, {FIELD: blob})
+            at.append(n)
+            n += 1
         if to_inbox:
             wake_if_paused(pipe, self.keys)
         try:
@@ -292,13 +302,13 @@ class Gateway:
             if self.log is not None:
                 self.log.error("submit_failed", error=str(exc), n=len(writes))
             why = submit_failure(exc)
-            for _, _, rid in writes:
+            for _, _, rid, _ in writes:
                 if rid is not None and rid in self.channels:
                     self.channels[rid].fail(f"could not queue the request: {why}, retry shortly")
             return
-        for (stream, _, rid), eid in zip(writes, ids):
+        for (stream, _, rid, _), i in zip(writes, at):
             if rid is not None and (ch := self.channels.get(rid)) is not None:
-                ch.entry = (stream, eid)
+                ch.entry = (stream, ids[i])
 
     # ------------------------------------------------------------------ outputs
     async def _read_outputs(self) -> None:
@@ -381,7 +391,7 @@ class Gateway:
                 continue
             rank = ch.rank if ch.rank >= 0 else self.rank_of.get(rid)   # (placed here, no token yet)
             if rank is not None:
-                self._enqueue(self.keys.inbox(rank), encode(Retire(rid, rank, ch.epoch)), None)
+                self._enqueue(self.keys.inbox(rank), encode(Retire(rid, rank, ch.epoch)), None, cancel_rank=rank)
             ch.epoch += 1
             req = ch.req
             req.generated = list(ch.tokens)

@@ -9,8 +9,10 @@ import time
 from typing import Any
 
 from services.engine_worker.rank_state import RankState
+from shared import cancels
 from shared import keys as K
 from shared.bus import Recorder, decode_entries, ensure_group, entry_id_key, execute_recorded
+from shared.messages import loads
 
 
 # A rank told to stop (or leave) waits out a Redis outage this long, then exits: what it
@@ -32,6 +34,9 @@ class InboxReader:
         # them (entry id -> request id, None for an abort): the claim rides on the next
         # step's read, which must neither admit them twice nor leave a finished one pending.
         self.prefetched: dict[bytes, str | None] = {}
+        # Aborts and retirements popped from this rank's cancels list (shared/cancels.py),
+        # not yet applied (ingest.py)
+        self.cancels: list[dict[str, Any]] = []
         self._reread_from: str | bytes | None = None   # after a Redis error: re-read our pending entries from here
         self._history_read = False                # the read in flight is such a re-read (paged until empty)
 
@@ -54,6 +59,24 @@ class InboxReader:
         self._reread_from = "0"
         await ensure_group(self.r, self.keys.inbox(self.state.rank), K.ENGINE_GROUP, "0")
 
+    def pop_cancels(self, pipe: Recorder) -> None:
+        """Queue the pop of this rank's cancels list on ``pipe``; :meth:`take_cancels` takes
+        its reply. Every step, whatever the inbox's backlog: that is the point of it."""
+        pipe.lpop(self.keys.cancels(self.state.rank), cancels.POP_COUNT)
+
+    def take_cancels(self, resp: Any) -> None:
+        for blob in resp or ():
+            try:
+                doc = loads(blob)
+            except Exception:  # noqa: BLE001 - the inbox holds the same message: it is read there
+                continue
+            if isinstance(doc, dict):
+                self.cancels.append(doc)
+
+    def take_all_cancels(self) -> list[dict[str, Any]]:
+        got, self.cancels = self.cancels, []
+        return got
+
     async def poll(self, wait_ms: float, count: int) -> None:
         """Wait ``wait_ms``, then take what reached the inbox meanwhile (a held group's
         rounds). The wait is a client-side sleep and the read does not block: a server-side
@@ -61,9 +84,12 @@ class InboxReader:
         100 ms at Redis' and Valkey's default ``hz`` of 10 (a 2 ms hold round took 100)."""
         await asyncio.sleep(wait_ms / 1000.0)
         pipe = Recorder()
+        self.pop_cancels(pipe)
         pipe.xreadgroup(K.ENGINE_GROUP, self.consumer, {self.keys.inbox(self.state.rank): self.read_from()},
                         count=count)
-        self.take((await self.execute(pipe))[-1])
+        got = await self.execute(pipe)
+        self.take_cancels(got[-2])
+        self.take(got[-1])
 
     def read_from(self) -> str | bytes:
         """'>' (new entries), or after a possibly lost reply this consumer's own pending

@@ -1,11 +1,13 @@
 """Admitting what the inbox brought at a step boundary: requests into the engine core
 (a second copy of one already here is dropped, a newer epoch of it replaces it), aborts
-of requests here, retirements of stale copies; malformed entries acked and logged, never
-stopping the step loop."""
+of requests here, retirements of stale copies, and the same two popped from the rank's
+cancels list ahead of the inbox's backlog (shared/cancels.py); malformed entries acked
+and logged, never stopping the step loop."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from services.engine_worker.rank_state import RankState
@@ -14,9 +16,19 @@ from services.engine_worker.sim_backend import eos_from
 from shared.messages import Abort, MessageError, Request, Retire
 
 
-def ingest(state: RankState, fetched: list[tuple[bytes, dict[str, Any]]], log: Any) -> None:
-    """Writes the per-request tables, ``acks``, ``early`` (rejections) and ``aborted``."""
+CANCELLED_MAX = 65_536    # notes of cancels for requests not read yet (each outlives its request only
+                          # when the inbox copy of the message was read before the list's)
+
+
+def ingest(state: RankState, fetched: list[tuple[bytes, dict[str, Any]]], log: Any,
+           cancels: Iterable[dict[str, Any]] = ()) -> None:
+    """Writes the per-request tables, ``acks``, ``early`` (rejections), ``aborted`` and
+    ``cancelled``. ``cancels``: aborts and retirements popped from the rank's cancels list
+    (shared/cancels.py), applied first: those of requests read in ``fetched`` apply as the
+    requests are admitted."""
     st = state
+    for doc in cancels:
+        _cancel_early(st, doc, log)
     for eid, doc in fetched:
         kind = doc.get("k")
         if kind == "req":
@@ -43,23 +55,59 @@ def ingest(state: RankState, fetched: list[tuple[bytes, dict[str, Any]]], log: A
                 st.early.append(rejected)
             else:
                 st.rs.arrived(seq, time.monotonic())
+                note = st.cancelled.pop(req.id, None)
+                if note is not None:      # cancelled before this rank read it: now
+                    _apply(st, note, log)
         elif kind == "retire":
             rt = _parse(st, Retire, eid, doc, log)
             if rt is None:
                 continue
             st.acks.append(eid)
+            st.cancelled.pop(rt.id, None)  # (its request came before it: admitted, or gone)
             retire(st, rt, log)
         elif kind == "abort":
             ab = _parse(st, Abort, eid, doc, log)
             if ab is None:
                 continue
-            seq = st.core.abort(ab.id)
             st.acks.append(eid)
-            if seq is not None:
-                st.aborted.append(seq)
+            st.cancelled.pop(ab.id, None)
+            abort(st, ab)
         else:
             st.acks.append(eid)
             log.warning("inbox_entry_ignored", kind=kind)
+
+
+def abort(state: RankState, ab: Abort) -> None:
+    seq = state.core.abort(ab.id)
+    if seq is not None:
+        state.aborted.append(seq)
+
+
+def _apply(state: RankState, msg: Abort | Retire, log: Any) -> None:
+    if isinstance(msg, Abort):
+        abort(state, msg)
+    else:
+        retire(state, msg, log)
+
+
+def _cancel_early(state: RankState, doc: dict[str, Any], log: Any) -> None:
+    """An abort or retirement from the cancels list: applied now to a request here, kept
+    as a note for one not read yet (its inbox entry waits behind the backlog). The inbox
+    copy of the message comes later and finds the work done."""
+    try:
+        msg = (Abort if doc.get("k") == "abort" else Retire).from_dict(doc)
+    except MessageError as exc:
+        log.warning("bad_cancel", error=str(exc))   # (the inbox copy is read, and logged, there)
+        return
+    if state.core.get(msg.id) is not None:
+        _apply(state, msg, log)
+        return
+    prev = state.cancelled.pop(msg.id, None)
+    if isinstance(prev, Abort) or (isinstance(prev, Retire) and isinstance(msg, Retire) and prev.epoch > msg.epoch):
+        msg = prev     # an abort wins; of two retirements, the newer epoch
+    state.cancelled[msg.id] = msg
+    while len(state.cancelled) > CANCELLED_MAX:
+        state.cancelled.popitem(last=False)
 
 
 def _parse(state: RankState, cls: Any, eid: bytes, doc: dict[str, Any], log: Any) -> Any:

@@ -41,6 +41,7 @@ class Outputs:
         if st.metrics is not None:
             st.metrics.on_step(stats)
         self._report(pipe, stats)
+        self.reader.pop_cancels(pipe)
         room = max(0, self.s.max_num_seqs * 2 - st.core.num_waiting, len(self.reader.prefetched))
         if room:
             pipe.xreadgroup(K.ENGINE_GROUP, self.reader.consumer,
@@ -48,6 +49,7 @@ class Outputs:
         if trace.ENABLED:
             trace.mark(f"publish_sent:{st.rank}")
         results = await self.reader.execute(pipe)
+        self.reader.take_cancels(results[-2 if room else -1])
         if room:
             self.reader.take(results[-1])
 
@@ -63,11 +65,24 @@ class Outputs:
             now = time.time()
             pipe = Recorder()
             self.write(pipe, [], now)
+            # What the last pause read and no step claimed (each ended at once: an abort,
+            # a request cancelled before it was read): claimed now, or it would stay
+            # undelivered in the group through this pause, counted as a backlog
+            claim = len(self.reader.prefetched) if pausing else 0
             if pausing:
                 self._report(pipe, self._stats(now, 0, 0.0, extra={"pause": True}), step=False)
                 if st.rank == 0:
                     pipe.set(self.keys.paused, st.wave + 1)
-            await self.reader.execute(pipe)
+            if claim:
+                pipe.xreadgroup(K.ENGINE_GROUP, self.reader.consumer,
+                                {self.keys.inbox(st.rank): self.reader.read_from()}, count=claim)
+            results = await self.reader.execute(pipe)
+            if claim:
+                self.reader.take(results[-1])
+                if st.acks:       # (the claimed entries that ended: acked before the pause)
+                    pipe = Recorder()
+                    self.write(pipe, [], now)
+                    await self.reader.execute(pipe)
 
     def _stats(self, now: float, finished: int, dur_ms: float, scheduled: int = 0, prefill: int = 0,
                decode: int = 0, idle: bool = False, held: int = 0, extra: dict[str, Any] | None = None) -> RankStats:

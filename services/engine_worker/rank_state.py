@@ -5,6 +5,7 @@ fields it writes."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,10 @@ class RankState:
     # for the next round trip (outputs.py writes them)
     acks: list[bytes] = field(default_factory=list)             # inbox entries to ack
     aborted: list[Sequence] = field(default_factory=list)       # aborted seqs whose final delta is pending
+    # Aborts and retirements from the cancels list (shared/cancels.py) of requests not read
+    # yet: applied as each is admitted, dropped as the inbox's own copy of the message is
+    # read (it comes after the request). Bounded: the oldest go first (ingest.py)
+    cancelled: OrderedDict[str, Any] = field(default_factory=OrderedDict)
     early: list[Any] = field(default_factory=list)              # outputs decided at admission (rejections)
     # figures of the step loop
     round_trips: int = 0         # Redis round trips of the step loop (goal: one per step)

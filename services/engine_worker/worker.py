@@ -222,7 +222,7 @@ class EngineWorker:
         self.member.stepping = True        # from now on liveness follows the loop's progress
         while True:
             self.member.mark_progress()
-            ingest(st, self.reader.take_all(), self.log)
+            ingest(st, self.reader.take_all(), self.log, self.reader.take_all_cancels())
             plan, row = st.rs.plan(time.monotonic(), self.stopping.is_set() and not self.leaving)
             if self.leaving:
                 row[F_STOP] = LEAVE

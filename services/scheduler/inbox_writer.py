@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from services.scheduler.state import SchedulerState
+from shared import cancels
 from shared import keys as K
 from shared.messages import FIELD, Abort, Delta, Request, Retire, dumps, encode, encode_deltas
 from shared.policy.base import Assignment
@@ -47,7 +48,7 @@ class InboxWriter:
             # A resumed request moving rank: the copy this leader placed may still run there
             # (its api-server resumed it without knowing the rank: no token had reached it,
             # or Redis lost the streams), its deltas ignored, holding KV to its end.
-            pipe.xadd(self.keys.inbox(was), {FIELD: encode(Retire(req.id, was, req.epoch - 1))})
+            cancels.send(pipe, self.keys, was, encode(Retire(req.id, was, req.epoch - 1)), FIELD)
         pipe.xadd(self.keys.inbox(a.rank), {FIELD: encode(req)})
         rec = {"state": "dispatched", "rank": a.rank, "api": req.api, "t_arrival": req.arrival,
                "t_dispatched": now, "prompt_tokens": req.prompt_tokens, "max_tokens": req.params.max_tokens,
@@ -91,7 +92,7 @@ class InboxWriter:
         if rank is None:
             return   # unknown: finished long ago, or never placed
         ab.rank = rank
-        pipe.xadd(self.keys.inbox(rank), {FIELD: encode(ab)})
+        cancels.send(pipe, self.keys, rank, encode(ab), FIELD)   # (ahead of the rank's inbox backlog)
         st.counters["aborts_routed"] += 1
 
     def record_batches(self, pipe: Any, released: list[Assignment]) -> None:
