@@ -35,3 +35,26 @@ def test_lapses_while_this_ranks_writes_are_refused_say_nothing():
     assert lv.observe(15.0, {"a": False}, writes_failed_at=10.0) == set()     # the grace counts from here
     assert lv.observe(19.0, {"a": False}, writes_failed_at=10.0) == set()
     assert lv.observe(20.5, {"a": False}, writes_failed_at=10.0) == {"a"}     # a real absence still ends it
+
+
+def test_requests_aborted_for_a_silent_api_server_say_why():
+    # (a client of an api-server stalled past the grace, a long GC pause, read only
+    # "the request could not be completed: abort; retry it")
+    from services.engine_worker.api_watch import _abort_owned_by
+    from services.engine_worker.block_manager import BlockManager
+    from services.engine_worker.engine_scheduler import EngineScheduler
+    from services.engine_worker.sequence import Sequence
+    from shared.messages import Request, SamplingParams
+
+    core = EngineScheduler(BlockManager(64, 16), max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512)
+    for rid, api in (("x", "gone"), ("y", "here")):
+        core.add(Sequence.from_request(Request(rid, api, [1, 2, 3], SamplingParams(max_tokens=5), 0.0), "", 0), 0.0)
+    aborted: list = []
+
+    class _Log:
+        def warning(self, *a, **k) -> None:
+            pass
+
+    _abort_owned_by(core, {"gone"}, aborted.append, _Log(), 5.0)
+    assert [s.id for s in aborted] == ["x"] and core.get("y") is not None
+    assert aborted[0].error == "aborted on its rank: the api-server serving it stopped answering for over 5 s"

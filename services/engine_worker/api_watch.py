@@ -31,17 +31,21 @@ async def watch_api_servers(r: Any, keys: K.Keys, core: Any, heartbeat_s: float,
                 dead = liveness.observe(time.monotonic(), {api: bool(alive) for api, alive in zip(apis, res)},
                                         writes_failed_at())
                 if dead:
-                    _abort_owned_by(core, dead, on_aborted, log)
+                    _abort_owned_by(core, dead, on_aborted, log, liveness.grace_s)
             except Exception as exc:  # noqa: BLE001 - checked again next beat
                 log.warning("api_server_check_failed", error=str(exc)[:200])
         await asyncio.sleep(heartbeat_s)
 
 
-def _abort_owned_by(core: Any, dead_apis: set[str], on_aborted: Callable[[Any], None], log: Any) -> None:
+def _abort_owned_by(core: Any, dead_apis: set[str], on_aborted: Callable[[Any], None], log: Any,
+                    grace_s: float = 5.0) -> None:
     ids = [q.id for q in (*core.running, *core.waiting) if q.api in dead_apis]
     for sid in ids:
         seq = core.abort(sid, time.time())
         if seq is not None:
+            # what its client reads if the api-server was only stalled (a long GC pause)
+            seq.error = (f"aborted on its rank: the api-server serving it stopped answering for over "
+                         f"{grace_s:g} s")
             on_aborted(seq)
     if ids:
         log.warning("aborted_requests_of_dead_api_server", apis=sorted(dead_apis), n=len(ids))

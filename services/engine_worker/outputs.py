@@ -147,8 +147,8 @@ class Outputs:
         aborted = st.aborted[:]
         st.aborted.clear()
         for seq in aborted:
-            by_api[seq.api].append(Delta(seq.id, len(seq.generated), [], "abort",
-                                         prompt_tokens=len(seq.prompt), rank=st.rank, epoch=seq.epoch))
+            by_api[seq.api].append(Delta(seq.id, len(seq.generated), [], "abort", prompt_tokens=len(seq.prompt),
+                                         rank=st.rank, error=seq.error, epoch=seq.epoch))
             acks.append(st.forget(seq.id))
             pipe.hset(self.keys.req(seq.id), mapping={"state": "finished", "finish": "abort", "rank": st.rank,
                                                        "tokens": len(seq.generated), "t_finished": now})
