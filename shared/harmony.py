@@ -17,7 +17,10 @@ one's, as those tools are not served. A message ends at ``<|end|>``, ``<|call|>`
 
 An output that never writes a header is not harmony (a fine-tune, random weights): it is
 all answer. A header is short, so text that has gone ``MAX_HEADER`` characters without
-``<|message|>`` is taken as such an answer, and streams from then on.
+``<|message|>`` is taken as such an answer, and streams from then on; where the prompt
+holds no harmony header at all, an output whose first characters are not ``<|`` is taken
+as one at once (else a model that is not gpt-oss, served with this parser, streamed its
+whole short answer in one piece at the end).
 
 As reasoning.Splitter: ``feed`` takes text as it comes, holds back only what may be the
 start of a marker, and streamed and whole outputs split the same."""
@@ -136,6 +139,12 @@ class HarmonySplitter:
             if self.header is None:                    # a header: wait for its <|message|>
                 at = self.buf.find(MESSAGE)
                 if at < 0:
+                    if not self.harmony and not self.head and self.buf and not (
+                            self.buf.startswith("<|") or "<|".startswith(self.buf)):
+                        # the prompt is not harmony and the output does not open a header
+                        # with a special token (a model that is not gpt-oss): answer, streamed
+                        self.plain, rest, self.buf = True, self.buf, ""
+                        return "", rest
                     if not self.harmony and len(self.buf) > MAX_HEADER and not any(m in self.buf for m in MARKERS):
                         self.plain, rest, self.buf = True, self.buf, ""
                         return "", rest

@@ -54,6 +54,15 @@ def test_thinking_answer_and_calls_are_told_apart():
     assert whole(long_plain) == (None, long_plain, [])
 
 
+def test_a_model_that_is_not_gpt_oss_streams_its_answer_at_once():
+    # (served with --reasoning-parser openai_gptoss, its whole short answer came in one
+    # piece at the end: held as a possible header until 512 characters or the end)
+    s = HarmonyStart.for_prompt("a prompt without harmony").splitter()
+    assert s.feed("Hel") == ("", "Hel") and s.feed("lo") == ("", "lo")
+    t = HarmonyStart.for_prompt("no harmony here").splitter()
+    assert t.feed("<") == ("", "") and t.feed("|channel|>final<|message|>Hi") == ("", "Hi")   # harmony after all
+
+
 def test_where_the_output_starts_is_read_from_the_prompt():
     # a prompt that opened the final channel itself: the output is its body
     assert whole("Sunny.<|return|>", PROMPT + "<|channel|>final<|message|>") == (None, "Sunny.", [])
