@@ -53,6 +53,7 @@ def test_up_refuses_persist_with_an_external_redis(no_start, tmp_path):
     # --persist only reaches the embedded server; with a URL it was dropped silently
     res = _cli("up", "--backend", "sim", "--redis-url", "redis://127.0.0.1:1/0", "--persist", str(tmp_path / "d"))
     _refused(res, "--persist", "drop --redis-url")
+    assert not (tmp_path / "d").exists()     # refused before it made the directory
 
 
 def test_up_refuses_max_wait_ms_without_staggered(no_start):
@@ -63,6 +64,35 @@ def test_up_refuses_max_wait_ms_without_staggered(no_start):
     _refused(res, "policy 'least_score'")
     res = _cli("up", "--backend", "sim", "--policy", "staggered", "--max-wait-ms", "50")
     assert res.exit_code == 1 and "would start a cluster" in res.stderr, res.output   # accepted
+
+
+def test_up_reads_the_variables_it_sets_for_its_children(no_start, monkeypatch):
+    """`LOCKSTEP_BACKEND=sim LOCKSTEP_POLICY=staggered lockstep up` started torch and
+    waterfill without a word (the flags' defaults overwrote the variables for every child),
+    and LOCKSTEP_ALIGN_TOKENS=0 was turned into 1; LOCKSTEP_MAX_WAIT_MS beside a policy that
+    does not read it went unrefused. A flag given still wins."""
+    from services.admin import up as up_mod
+    seen: list = []
+    real = up_mod.LocalCluster
+
+    class Capture(real):  # type: ignore[misc, valid-type]
+        def __init__(self, opts, out):
+            seen.append(opts)
+            super().__init__(opts, out)
+
+    monkeypatch.setattr(up_mod, "LocalCluster", Capture)
+    for k, v in {"LOCKSTEP_BACKEND": "sim", "LOCKSTEP_POLICY": "staggered", "LOCKSTEP_ALIGN_TOKENS": "0",
+                 "LOCKSTEP_RANKS": "3", "LOCKSTEP_MAX_WAIT_MS": "40"}.items():
+        monkeypatch.setenv(k, v)
+    res = _cli("up")
+    assert res.exit_code == 1 and "would start a cluster" in res.stderr, res.output
+    o = seen[-1]
+    assert (o.backend, o.policy, o.ranks) == ("sim", "staggered", 3)
+    assert o.extra_env["LOCKSTEP_ALIGN_TOKENS"] == "0" and o.extra_env["LOCKSTEP_MAX_WAIT_MS"] == "40"
+    _refused(_cli("up", "--policy", "waterfill"), "LOCKSTEP_MAX_WAIT_MS")   # a variable made moot is named
+    monkeypatch.delenv("LOCKSTEP_MAX_WAIT_MS")
+    res = _cli("up", "--policy", "waterfill", "--ranks", "2")
+    assert res.exit_code == 1 and (seen[-1].policy, seen[-1].ranks) == ("waterfill", 2)   # a flag given wins
 
 
 def test_up_refuses_time_scale_on_torch_and_a_negative_one(no_start):

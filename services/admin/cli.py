@@ -49,24 +49,29 @@ def _fail(msg: str, code: int = 1) -> None:
 
 @app.command()
 def up(
-    ranks: int = typer.Option(4, "--ranks", min=1, help="DP engine ranks."),
-    api_servers: int = typer.Option(2, "--api-servers", min=1, help="api-server replicas (all serve --port)."),
-    port: int = typer.Option(8000, "--port", min=1, max=65535, help="HTTP port of the OpenAI-compatible API."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
-    backend: str = typer.Option("torch", "--backend", help="torch (a real MoE on CPU/GPU) or sim (device cost model)."),
-    policy: str = typer.Option(DEFAULT_POLICY, "--policy", help="Dispatch policy. " + "; ".join(
+    ranks: int = typer.Option(4, "--ranks", min=1, envvar="LOCKSTEP_RANKS", help="DP engine ranks."),
+    api_servers: int = typer.Option(2, "--api-servers", min=1, envvar="LOCKSTEP_NUM_API_SERVERS",
+                                    help="api-server replicas (all serve --port)."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, envvar="LOCKSTEP_PORT",
+                             help="HTTP port of the OpenAI-compatible API."),
+    host: str = typer.Option("127.0.0.1", "--host", envvar="LOCKSTEP_HOST", help="Address to listen on."),
+    backend: str = typer.Option("torch", "--backend", envvar="LOCKSTEP_BACKEND",
+                                help="torch (a real MoE on CPU/GPU) or sim (device cost model)."),
+    policy: str = typer.Option(DEFAULT_POLICY, "--policy", envvar="LOCKSTEP_POLICY", help="Dispatch policy. " + "; ".join(
         f"{n}: {PURPOSE.get(n, '')}" for n in policy_names()) + "."),
-    dispatch: str = typer.Option("scheduler", "--dispatch", help="scheduler (one decision maker) or client (api-servers pick)."),
+    dispatch: str = typer.Option("scheduler", "--dispatch", envvar="LOCKSTEP_DISPATCH",
+                                 help="scheduler (one decision maker) or client (api-servers pick)."),
     namespace: str = NS_OPT,
     redis_url: Optional[str] = typer.Option(None, "--redis-url", envvar="LOCKSTEP_REDIS_URL",
                                             help="Use this Redis instead of starting a private one: redis://, rediss://, "
                                                  "redis+cluster://HOST:PORT, redis+sentinel://HOST:PORT/SERVICE."),
     persist: Optional[str] = typer.Option(None, "--persist", help="Keep the embedded Redis data in this directory."),
-    time_scale: float = typer.Option(1.0, "--time-scale", min=0.0, help="sim backend: scale modeled device time (0 = none)."),
-    max_wait_ms: Optional[float] = typer.Option(None, "--max-wait-ms", min=0.0,
+    time_scale: float = typer.Option(1.0, "--time-scale", min=0.0, envvar="LOCKSTEP_TIME_SCALE",
+                                     help="sim backend: scale modeled device time (0 = none)."),
+    max_wait_ms: Optional[float] = typer.Option(None, "--max-wait-ms", min=0.0, envvar="LOCKSTEP_MAX_WAIT_MS",
                                                 help="staggered: longest a request waits unplaced before its batch goes out "
-                                                     "(LOCKSTEP_MAX_WAIT_MS; default: learned, about two steps)."),
-    align_tokens: bool = typer.Option(True, "--align-tokens/--no-align-tokens",
+                                                     "(default, or 0: learned, about two steps)."),
+    align_tokens: bool = typer.Option(True, "--align-tokens/--no-align-tokens", envvar="LOCKSTEP_ALIGN_TOKENS",
                                       help="Coordinated prefill across ranks (each step's prefill capped at one "
                                            "shared budget most ranks can fill; see docs/benchmarks.md)."),
     schedulers: int = typer.Option(1, "--schedulers", min=1,
@@ -74,13 +79,13 @@ def up(
     spares: int = typer.Option(1, "--spares", min=0,
                                help="Hot-spare engine processes: started and waiting, one takes over a dead "
                                     "rank at once (0: a dead rank's process is started again instead)."),
-    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning, error."),
+    log_level: str = typer.Option("info", "--log-level", envvar="LOCKSTEP_LOG_LEVEL", help="debug, info, warning, error."),
     model: Optional[str] = typer.Option(None, "--model", envvar="LOCKSTEP_MODEL",
                                         help="A local Hugging Face checkpoint directory (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, "
                                              "DeepSeek-V2 and -V3, GLM-4.5, gpt-oss) "
                                              "to serve with its own tokenizer and chat template; default: the "
                                              "bundled model. Nothing is downloaded (README: Real checkpoints)."),
-    dtype: str = typer.Option("auto", "--dtype", help="With --model: auto (bfloat16 on cuda, float32 on cpu), "
+    dtype: str = typer.Option("auto", "--dtype", envvar="LOCKSTEP_DTYPE", help="With --model: auto (bfloat16 on cuda, float32 on cpu), "
                                                       "bfloat16 or float32."),
     reasoning_parser: Optional[str] = typer.Option(
         None, "--reasoning-parser", envvar="LOCKSTEP_REASONING_PARSER",
@@ -107,16 +112,17 @@ def up(
     except ValueError as exc:
         _fail(f"--reasoning-parser: {exc}", 2)
     # Options that only one path uses: refused on the others instead of silently ignored.
-    if persist:
-        problem = persist_problem(persist)
-        if problem:
-            _fail(problem, 2)
     if persist and redis_url:
         _fail("--persist keeps the data of the embedded Redis that `up` starts; with --redis-url (or "
               "LOCKSTEP_REDIS_URL) that server keeps its own: configure persistence there, or drop --redis-url", 2)
+    if persist:   # (after the check above: it creates the directory)
+        problem = persist_problem(persist)
+        if problem:
+            _fail(problem, 2)
     if max_wait_ms is not None and policy != "staggered":
-        _fail(f"--max-wait-ms bounds the wait of a staggered batch; policy {policy!r} does not read it "
-              "(use --policy staggered --max-wait-ms MS, or drop --max-wait-ms)", 2)
+        _fail(f"--max-wait-ms (or LOCKSTEP_MAX_WAIT_MS) bounds the wait of a staggered batch; policy {policy!r} does "
+              "not read it (use --policy staggered --max-wait-ms MS, or drop --max-wait-ms / unset "
+              "LOCKSTEP_MAX_WAIT_MS)", 2)
     if not math.isfinite(time_scale):
         _fail(f"--time-scale must be a finite number >= 0 (0 = no modeled device time), not {time_scale}: at "
               "inf no step would ever end", 2)
