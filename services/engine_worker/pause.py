@@ -36,6 +36,11 @@ class Pause:
         the same read brought the dispatcher's notice (shared/wake.py): then every rank
         woke at the same moment and nobody waits for a second hop."""
         st = self.state
+        if self.reader.fetched:
+            # the claim on the way into this pause (outputs.flush) read past what it claimed:
+            # work is here already, and a sleep would keep it waiting for someone else's
+            await self.reader.execute(self.wake_notice())
+            return
         inbox = self.keys.inbox(st.rank)
         arrived: list[tuple[bytes, dict[str, Any]]] = []
         notified = False
