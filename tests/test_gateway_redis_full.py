@@ -43,3 +43,36 @@ async def _flow(url: str) -> None:
 def test_a_full_redis_is_named_in_the_503_and_the_next_request_goes_through():
     with EmbeddedRedis() as server:
         asyncio.run(_flow(server.url))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_stream_redis_did_not_take_is_a_503_before_any_event(tmp_path):
+    """A streamed request whose submission Redis refused got a 200 and then an error event,
+    which the openai client raises without a status and never retries (its retries stop at
+    a 200); a request that was never queued is now refused before the stream starts."""
+    import openai
+    import redis as redis_sync
+
+    from tests.conftest import start_cluster
+
+    with EmbeddedRedis() as server:
+        cluster = start_cluster(tmp_path, "--ranks", "1", "--api-servers", "1", "--backend", "sim",
+                                "--redis-url", server.url)
+        admin = redis_sync.Redis.from_url(server.url)
+        client = openai.OpenAI(base_url=cluster.api_url, api_key="x", max_retries=0, timeout=30)
+        try:
+            admin.config_set("maxmemory-policy", "noeviction")
+            admin.config_set("maxmemory", "1")
+            with pytest.raises(openai.APIStatusError) as err:
+                client.chat.completions.create(model="lockstep-moe", stream=True, max_tokens=4,
+                                               messages=[{"role": "user", "content": "hi"}])
+            assert err.value.status_code == 503 and "out of memory" in err.value.message, err.value.message
+            admin.config_set("maxmemory", "0")
+            chunks = list(client.chat.completions.create(model="lockstep-moe", stream=True, max_tokens=4,
+                                                         messages=[{"role": "user", "content": "hi"}]))
+            assert chunks[-1].choices[0].finish_reason == "length"
+        finally:
+            admin.config_set("maxmemory", "0")
+            client.close()
+            cluster.stop()

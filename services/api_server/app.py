@@ -51,6 +51,7 @@ def _version() -> str:
 
 VERSION = _version()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SUBMIT_WAIT_S = 2.0   # a stream's 200 waits at most this for its submission's write (one Redis round trip)
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -403,6 +404,17 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         await asyncio.sleep(0)
         created = int(now)
         if p.stream:
+            # A stream's 200 waits for the submission's write (one round trip): a request
+            # Redis did not take is a 503 before any event, as vLLM refuses what it knows
+            # before generating, and the client's own retries (which stop at a 200) apply.
+            try:
+                async with asyncio.timeout(SUBMIT_WAIT_S):
+                    await ch.sent.wait()
+            except TimeoutError:
+                pass   # Redis is slow to answer: the stream starts, and says what becomes of it
+            if ch.finish == "error":
+                gw.release(rid)
+                raise not_completed(ch)
             return StreamingResponse(_sse(request, p, ch, gw, rid, created), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
         return await _complete(request, p, ch, gw, rid, created)

@@ -45,7 +45,7 @@ class RequestChannel:
     """Tokens of one request as they arrive; ``pos`` in each delta drops duplicates."""
 
     __slots__ = ("id", "tokens", "finish", "error", "code", "prompt_tokens", "event", "rank", "first_t", "last_t",
-                 "req", "epoch", "logprobs", "prompt_lp", "gaps", "gap_epoch", "entry")
+                 "req", "epoch", "logprobs", "prompt_lp", "gaps", "gap_epoch", "entry", "sent")
 
     def __init__(self, rid: str) -> None:
         self.id = rid
@@ -67,6 +67,7 @@ class RequestChannel:
         self.gaps = 0           # resumes asked for because deltas were lost
         self.gap_epoch = -1     # the epoch whose stream had a gap (its later deltas are dropped)
         self.entry: tuple[str, bytes] | None = None   # (stream, id) of its last submission
+        self.sent = asyncio.Event()     # its submission's write came back (taken, or failed: then finish is set)
 
     def _prompt_lp(self, entries: list, pos: int) -> None:
         have = self.prompt_lp if self.prompt_lp is not None else []
@@ -123,7 +124,7 @@ def submit_failure(exc: BaseException) -> str:
     remedy differs (docs/operations.md)."""
     if isinstance(exc, OutOfMemoryError):
         return "Redis is out of memory (its maxmemory is reached)"
-    return "Redis is unavailable"
+    return f"Redis is unavailable ({str(exc)[:120]})" if str(exc) else "Redis is unavailable"
 
 
 def queue_wait_s(wait_ms: Any, at: Any, now: float) -> float | None:
@@ -303,12 +304,14 @@ class Gateway:
                 self.log.error("submit_failed", error=str(exc), n=len(writes))
             why = submit_failure(exc)
             for _, _, rid, _ in writes:
-                if rid is not None and rid in self.channels:
-                    self.channels[rid].fail(f"could not queue the request: {why}, retry shortly")
+                if rid is not None and (ch := self.channels.get(rid)) is not None:
+                    ch.fail(f"could not queue the request: {why}", "redis_unavailable")
+                    ch.sent.set()
             return
         for (stream, _, rid, _), i in zip(writes, at):
             if rid is not None and (ch := self.channels.get(rid)) is not None:
                 ch.entry = (stream, ids[i])
+                ch.sent.set()
 
     # ------------------------------------------------------------------ outputs
     async def _read_outputs(self) -> None:
