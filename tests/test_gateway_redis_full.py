@@ -45,6 +45,35 @@ def test_a_full_redis_is_named_in_the_503_and_the_next_request_goes_through():
         asyncio.run(_flow(server.url))
 
 
+def test_a_submission_rides_out_a_short_outage():
+    """A Redis restart of a second: a request submitted meanwhile waits for it and is
+    queued (each failed at once with a 503 before)."""
+    from shared.redis_server import free_port
+
+    async def flow(port: int) -> None:
+        server = EmbeddedRedis(port=port).start()
+        keys = K.Keys("short")
+        r = connect(server.url)
+        gw = Gateway(r, keys, "apishort")
+        await gw.start()
+        try:
+            server.stop()
+            ch = gw.submit(Request("s1", "apishort", [1, 2], SamplingParams(max_tokens=4), time.time()))
+            await asyncio.sleep(0.5)
+            server = EmbeddedRedis(port=port).start()
+            await asyncio.wait_for(ch.sent.wait(), 10)
+            assert ch.finish is None and ch.entry is not None, ch.error
+            admin = connect(server.url)
+            assert await admin.xlen(keys.requests) == 1
+            await admin.aclose()
+        finally:
+            await gw.stop()
+            await r.aclose()
+            server.stop()
+
+    asyncio.run(flow(free_port()))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_stream_redis_did_not_take_is_a_503_before_any_event(tmp_path):

@@ -167,6 +167,26 @@ async def test_a_request_resubmitted_while_held_takes_the_held_ones_place(redis_
         await r.aclose()
 
 
+async def test_a_second_copy_of_a_placed_submission_is_dropped(redis_url, namespace):
+    """An api-server writes a submission again when its connection dropped mid-write, and
+    the first write may have landed: the copy of a request placed already is acked and
+    dropped (two copies would run, their tokens interleaved in one stream)."""
+    svc = SchedulerService(_settings(redis_url, namespace, policy="least_score"))
+    keys = svc.keys
+    r = connect(redis_url)
+    try:
+        async with running(svc):
+            await r.xadd(keys.requests, {FIELD: _req("D")})
+            await wait_until(lambda: _have(r, keys, {"D"}), timeout=5)
+            await r.xadd(keys.requests, {FIELD: _req("D")})
+            await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
+            copies = [doc for rank in range(2) for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(rank)))])
+                      if doc.get("id") == "D"]
+            assert len(copies) == 1 and svc.state.counters.get("duplicates") == 1, copies
+    finally:
+        await r.aclose()
+
+
 async def test_a_resumed_request_placed_on_another_rank_retires_the_copy_left_on_the_first(redis_url, namespace):
     """A resumed request (new epoch) that the scheduler places on another rank than the
     copy it placed before: that rank is told to retire the old copy, which its api-server

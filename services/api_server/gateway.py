@@ -13,9 +13,11 @@ import asyncio
 import math
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared import cancels
 from shared import keys as K
@@ -39,6 +41,8 @@ MAX_GAP_RESUMES = 3
 # the requests in flight may stay silent before each is checked for writes the outage lost
 # (a decode step is milliseconds; a request still queued is found on its stream and left be)
 OUTAGE_CHECK_S = 5.0
+SUBMIT_RETRY_S = 3.0         # a submission is tried again through a short outage for this long
+SUBMIT_RETRYABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
 
 
 class RequestChannel:
@@ -283,20 +287,25 @@ class Gateway:
         # engine group, which the ranks then read together (shared/wake.py).
         to_inbox = self.client_dispatch and any(rid is not None and stream != self.keys.requests
                                                 for stream, _, rid, _ in writes)
-        pipe = self.r.pipeline(transaction=to_inbox)
         at: list[int] = []     # each write's xadd among the pipeline's replies
-        n = 0
-        for stream, blob, _, cancel_rank in writes:
-            if cancel_rank is not None:
-                cancels.push(pipe, self.keys, cancel_rank, blob)
-                n += 3
-            pipe.xadd(stream, {FIELD: blob})
-            at.append(n)
-            n += 1
-        if to_inbox:
-            wake_if_paused(pipe, self.keys)
+
+        def build() -> Any:
+            pipe = self.r.pipeline(transaction=to_inbox)
+            at.clear()
+            n = 0
+            for stream, blob, _, cancel_rank in writes:
+                if cancel_rank is not None:
+                    cancels.push(pipe, self.keys, cancel_rank, blob)
+                    n += 3
+                pipe.xadd(stream, {FIELD: blob})
+                at.append(n)
+                n += 1
+            if to_inbox:
+                wake_if_paused(pipe, self.keys)
+            return pipe
+
         try:
-            ids = await pipe.execute()
+            ids = await self._execute_submit(build)
         except Exception as exc:  # noqa: BLE001 - the requests fail, the server stays up
             if self.metrics is not None:
                 self.metrics.redis_errors.inc()
@@ -312,6 +321,23 @@ class Gateway:
             if rid is not None and (ch := self.channels.get(rid)) is not None:
                 ch.entry = (stream, ids[i])
                 ch.sent.set()
+
+    async def _execute_submit(self, build: Callable[[], Any]) -> list[Any]:
+        """The submit pipeline, tried again through a dropped connection or a short outage
+        (a Redis restart, a failover) for ``SUBMIT_RETRY_S``: each request failed at once
+        with a 503 before. A write that landed before the connection dropped is sent twice;
+        the second copy is dropped where it arrives (the scheduler, or a rank, keeps one
+        request per id and epoch). A full Redis (OOM) is not waited out: it fails at once."""
+        deadline = time.monotonic() + SUBMIT_RETRY_S
+        wait = 0.05
+        while True:
+            try:
+                return await build().execute()      # (a pipeline is emptied by its execute)
+            except SUBMIT_RETRYABLE:
+                if time.monotonic() + wait > deadline or self.closing:
+                    raise
+                await asyncio.sleep(wait)
+                wait = min(0.5, wait * 2)
 
     # ------------------------------------------------------------------ outputs
     async def _read_outputs(self) -> None:

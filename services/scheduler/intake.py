@@ -148,6 +148,12 @@ class Intake:
                         req.rank = int(placed[i])
                         w.emit(pipe, req, Assignment(req.id, req.rank, reason="redispatch"), now)
                         acks.append(eid)
+                    elif req.epoch == 0 and req.id in st.assigned:
+                        # Placed already: a second copy of its submission (the api-server
+                        # wrote it again through a dropped connection). Two copies would run
+                        # and their tokens interleave in one stream.
+                        st.count("duplicates")
+                        acks.append(eid)
                     elif req.rank is not None:
                         st.counters["explicit"] += 1
                         w.emit(pipe, req, st.policy.note_explicit(info, req.rank, now), now)
