@@ -39,9 +39,11 @@ def admin_command(command: str, namespace: str, redis_url: str | None = None) ->
     ``lockstep status`` hints at the default cluster, not this one. ``redis_url``: the URL
     the command line named (an external Redis), repeated so the hint reaches the same one;
     a password in it is shown as ``***``."""
+    import shlex
+
     from shared.bus import redact_url
-    return (f"lockstep {command}" + ("" if namespace == DEFAULT_NAMESPACE else f" -n {namespace}")
-            + (f" --redis-url {redact_url(redis_url)}" if redis_url else ""))
+    return (f"lockstep {command}" + ("" if namespace == DEFAULT_NAMESPACE else f" -n {shlex.quote(namespace)}")
+            + (f" --redis-url {shlex.quote(redact_url(redis_url))}" if redis_url else ""))
 
 
 @dataclass(frozen=True, slots=True)

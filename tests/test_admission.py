@@ -155,5 +155,7 @@ def test_hints_name_the_clusters_namespace():
     assert admin_command("status", "ls") == "lockstep status"
     assert admin_command("resume", "prod") == "lockstep resume -n prod"
     assert admin_command("resume", "prod", "redis://:s3cret@db:6379/2") == \
-        "lockstep resume -n prod --redis-url redis://:***@db:6379/2"
+        "lockstep resume -n prod --redis-url 'redis://:***@db:6379/2'"
+    # a URL's query pasted unquoted would run in the background (&) or glob (?)
+    assert admin_command("status", "p", "rediss://h:6380/0?a=1&b=2").endswith("--redis-url 'rediss://h:6380/0?a=1&b=2'")
     assert "`lockstep status -n prod` shows them" in engine_down_message(0, 4, 31.0, "prod")

@@ -14,14 +14,23 @@ class StatsFollower:
         self.rows: list[dict[str, Any]] = []
         self.last: bytes | str = "0-0"
         self._stop = asyncio.Event()
+        self._until: tuple[int, int] | None = None   # stop(): read up to this entry id, then return
 
     async def start_id(self) -> None:
         tail = await self.r.xrevrange(self.stream, count=1)
         self.last = tail[0][0] if tail else "0-0"
 
     async def run(self) -> None:
+        from shared.bus import entry_id_key
         from shared.messages import loads
         while True:
+            if self._stop.is_set() and self._until is None:
+                # the stream's end at the stop: read up to it, not for as long as anyone
+                # else keeps the engines stepping (a bench beside other traffic never ended)
+                tail = await self.r.xrevrange(self.stream, count=1)
+                self._until = entry_id_key(tail[0][0]) if tail else (0, 0)
+            if self._until is not None and entry_id_key(self.last) >= self._until:
+                return
             resp = await self.r.xread({self.stream: self.last}, block=200, count=10_000)
             got = 0
             for _, entries in resp or ():

@@ -84,7 +84,8 @@ async def collect(url: str, namespace: str) -> dict[str, Any]:
     snapshot = orjson.loads(snap) if snap else None
     return {
         "namespace": namespace, "redis_url": redact_url(url), "cluster": cluster,
-        "scheduler": {"leader": leader.decode() if leader else None, **sched, "counters": counters},
+        # the lease's holder, not the hash's last writer (it outlives a dead leader)
+        "scheduler": {**sched, "leader": leader.decode() if leader else None, "counters": counters},
         "queues": {"requests": req_len if isinstance(req_len, int) else 0},
         "drained": sorted(int(x) for x in drained) if isinstance(drained, set) else [],
         "ranks": ranks,
