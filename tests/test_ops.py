@@ -333,6 +333,15 @@ def test_init_writes_the_cluster_record(cluster, tmp_path):
     rec = redis_get(cluster, lambda r: r.hgetall(Keys(ns).cluster))
     assert rec[b"ranks"] == b"3" and rec[b"api_servers"] == b"2" and rec[b"policy"] == b"staggered"
     redis_get(cluster, lambda r: r.delete(Keys(ns).cluster))
+    # over a running cluster's record: what it changed is said, and the start time (which
+    # names the api-servers' shared /metrics directory) is kept
+    before = redis_get(cluster, lambda r: r.hgetall(Keys(cluster.namespace).cluster))
+    res = subprocess.run([sys.executable, "-m", "services.admin.cli", "init", "-n", cluster.namespace,
+                          "--redis-url", cluster.redis_url], capture_output=True, text=True, timeout=30, env=env, cwd=ROOT)
+    after = redis_get(cluster, lambda r: r.hgetall(Keys(cluster.namespace).cluster))
+    redis_get(cluster, lambda r: r.hset(Keys(cluster.namespace).cluster, mapping=before))
+    assert res.returncode == 0 and "runs, and its services read this record" in res.stderr, res.stderr
+    assert "ranks " in res.stderr and after[b"started"] == before[b"started"]
 
 
 # -------------------------------------------------------------------------- metrics

@@ -31,9 +31,29 @@ def init_cmd(namespace: str = NS_OPT, redis_url: Optional[str] = URL_OPT, json: 
     if eng.ranks != sched.ranks:
         fail(f"LOCKSTEP_RANKS disagrees between services ({sched.ranks} vs {eng.ranks})", 2)
 
-    async def write(r: Any) -> None:
-        await r.hset(K.Keys(namespace).cluster, mapping=record)
-    asyncio.run(with_redis(url, write))
+    async def write(r: Any) -> list[str]:
+        """Write the record; what it changed of a running cluster's (said, not refused:
+        compose runs init again at every `up`, a scale-out included)."""
+        keys = K.Keys(namespace)
+        old = {k.decode(): v.decode() for k, v in (await r.hgetall(keys.cluster)).items()}
+        pipe = r.pipeline(transaction=False)
+        pipe.exists(keys.leader)
+        for rank in range(max(int(old.get("ranks") or 0), sched.ranks)):
+            pipe.exists(keys.rank_alive(rank))
+        running = any(await pipe.execute())
+        if running and old.get("started"):
+            # the start time names the api-servers' shared /metrics directory: a replica
+            # started after a new one would count apart from the others
+            record["started"] = float(old["started"])
+        changed = [f"{k} {old[k]} -> {v}" for k, v in record.items()
+                   if k != "started" and k in old and old[k] != str(v)] if running else []
+        await r.hset(keys.cluster, mapping=record)
+        return changed
+    changed = asyncio.run(with_redis(url, write))
+    if changed:
+        typer.secho(f"lockstep: the cluster in namespace {namespace!r} runs, and its services read this record: "
+                    f"changed {', '.join(changed)}. If that was not meant, run init again with its settings "
+                    "(`lockstep config` shows them)", fg=typer.colors.YELLOW, err=True)
     if json:
         emit_json({"namespace": namespace, "cluster": record})
     else:
