@@ -139,6 +139,12 @@ async def test_a_scheduler_stopped_while_redis_is_gone_exits_cleanly(tmp_path):
         srv.stop()
 
 
+async def _inbox_entries(r: Any, keys: K.Keys, ranks: Any, rid: str | None = None) -> list[dict]:
+    """Every entry in these ranks' inboxes (of request ``rid`` only, if given), in order."""
+    return [doc for rank in ranks for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(rank)))])
+            if rid is None or doc.get("id") == rid]
+
+
 async def _inbox_has_abort(r: Any, keys: K.Keys, rank: int, rid: str) -> bool:
     return any(doc.get("k") == "abort" and doc.get("id") == rid
                for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(rank)))]))
@@ -159,8 +165,7 @@ async def test_a_request_resubmitted_while_held_takes_the_held_ones_place(redis_
             await r.xadd(keys.requests, {FIELD: _req("H", epoch=1)})
             await wait_until(lambda: _have(r, keys, {"H"}), timeout=5)
             await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
-            copies = [doc for rank in range(2) for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(rank)))])
-                      if doc.get("id") == "H"]
+            copies = await _inbox_entries(r, keys, range(2), "H")
             assert len(copies) == 1 and copies[0].get("ep") == 1, copies
             assert not svc.unplaced
     finally:
@@ -180,8 +185,7 @@ async def test_a_second_copy_of_a_placed_submission_is_dropped(redis_url, namesp
             await wait_until(lambda: _have(r, keys, {"D"}), timeout=5)
             await r.xadd(keys.requests, {FIELD: _req("D")})
             await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
-            copies = [doc for rank in range(2) for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(rank)))])
-                      if doc.get("id") == "D"]
+            copies = await _inbox_entries(r, keys, range(2), "D")
             assert len(copies) == 1 and svc.state.counters.get("duplicates") == 1, copies
     finally:
         await r.aclose()
@@ -200,11 +204,9 @@ async def test_a_resumed_request_placed_on_another_rank_retires_the_copy_left_on
             first = (await wait_until(lambda: _have(r, keys, {"M"}), timeout=5))["M"]["r"]
             await r.xadd(keys.requests, {FIELD: _req("M", epoch=1, rank=1 - first)})
             await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
-            retires = [doc for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(first)))])
-                       if doc.get("k") == "retire"]
+            retires = [doc for doc in await _inbox_entries(r, keys, [first]) if doc.get("k") == "retire"]
             assert retires == [{"k": "retire", "id": "M", "r": first, "ep": 0}], retires
-            again = [doc for _, _, doc in decode_entries([(b"x", await r.xrange(keys.inbox(1 - first)))])
-                     if doc.get("id") == "M"]
+            again = await _inbox_entries(r, keys, [1 - first], "M")
             assert [d.get("ep") for d in again] == [1] and not any(d.get("k") == "retire" for d in again)
     finally:
         await r.aclose()
