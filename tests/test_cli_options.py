@@ -527,3 +527,31 @@ def test_bench_says_when_the_shape_asked_for_does_not_fit(monkeypatch):
     res = _cli(*BENCH, "--workload", "fixed:8192:64", "--requests", "5")
     assert res.exit_code == 0 and "3 of 5 requests do not fit" in res.stderr and "4096" in res.stderr, res.output
     assert json.loads(res.stdout)["clipped_requests"] == 3
+
+
+def test_drain_wait_timeout_says_what_is_left_in_words(redis_url, namespace):
+    # it printed the load as a Python dict ({'waiting': 1, 'running': 2, 'inbox_pending': 0})
+    import redis as redis_sync
+    from shared.keys import Keys
+    keys = Keys(namespace)
+    r = redis_sync.Redis.from_url(redis_url)
+    r.hset(keys.cluster, "ranks", 2)
+    r.hset(keys.rank_info(1), "stats", json.dumps({"running": 2, "waiting": 1}))
+    res = _cli("drain", "1", "--wait", "--timeout", "0.2", "--redis-url", redis_url, "-n", namespace)
+    assert res.exit_code == 1, res.output
+    assert "rank 1 still has work after 0.2s: 2 running, 1 waiting; its requests keep running there" in res.output
+    assert "{" not in res.output.split("still has work")[1]
+
+
+def test_every_command_help_reads_as_reflowed_paragraphs():
+    # typer's rich help keeps a docstring's source line breaks: `config --help` printed
+    # "...no local cluster) it" and then "shows what..." on a line of its own
+    from services.admin.cli import app as cli_app
+    import re
+    for cmd in cli_app.registered_commands:
+        doc = cmd.help or (cmd.callback.__doc__ if cmd.callback else "") or ""
+        for paragraph in doc.strip().split("\n\n"):
+            assert paragraph.startswith(("-", "\b")) or "\n" not in paragraph, (cmd.callback, paragraph)
+    res = _cli("config", "--help")
+    assert res.exit_code == 0 and "shows what the services" in res.output
+    assert not re.search(r"cluster\) it\s*\n", res.output), res.output

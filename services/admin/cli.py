@@ -284,7 +284,18 @@ def _cmd_name(cmd) -> str:  # type: ignore[no-untyped-def]
     return cmd.name or (cmd.callback.__name__.replace("_", "-") if cmd.callback else "")
 
 
+def reflow_help(doc: str) -> str:
+    """A docstring's paragraphs as single lines: typer's rich help keeps a source line
+    break inside a paragraph, so a wrapped docstring printed with a ragged edge."""
+    import inspect
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(p if p.lstrip().startswith(("-", "\b")) else " ".join(p.split("\n")) for p in paragraphs)
+
+
 for _cmd in app.registered_commands:
+    _doc = _cmd.help or (_cmd.callback.__doc__ if _cmd.callback else None)
+    if _doc:
+        _cmd.help = reflow_help(_doc)
     for _panel, _names in _PANELS.items():
         if _cmd_name(_cmd) in _names:
             _cmd.rich_help_panel = _panel

@@ -50,6 +50,14 @@ async def rank_load(r: Any, keys: K.Keys, rank: int) -> dict[str, int]:
     return {"waiting": st.get("waiting", 0), "running": st.get("running", 0), "inbox_pending": pend}
 
 
+def describe_load(load: dict[str, Any]) -> str:
+    """'3 running, 1 waiting, 2 not yet read from its inbox' for a human, not a dict."""
+    parts = [f"{load.get('running', 0)} running", f"{load.get('waiting', 0)} waiting"]
+    if load.get("inbox_pending"):
+        parts.append(f"{load['inbox_pending']} not yet read from its inbox")
+    return ", ".join(parts)
+
+
 def drain_cmd(ctx: typer.Context, rank: int = typer.Argument(..., help="DP rank to drain."),
               wait: bool = typer.Option(False, "--wait", help="Wait until the rank has finished its requests."),
               timeout: float = typer.Option(600.0, "--timeout", help="With --wait: give up after this many seconds."),
@@ -85,7 +93,8 @@ def drain_cmd(ctx: typer.Context, rank: int = typer.Argument(..., help="DP rank 
                      f"~250 ms; requests already on it finish there. Undo: {K.admin_command('resume', namespace, redis_url)} {rank}")
         if wait:
             typer.echo(f"rank {rank} is idle" if res["idle"] else f"rank {rank} still has work after {timeout:g}s: "
-                                                                  f"{res['load']}")
+                                                                  f"{describe_load(res['load'])}; its requests keep "
+                                                                  f"running there: wait again, or raise --timeout")
     if wait and not res["idle"]:
         raise typer.Exit(1)
 
