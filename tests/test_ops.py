@@ -395,7 +395,7 @@ def test_metrics_hooks_without_a_cluster():
 
     class FakeService:
         ranks = [0, 1]
-        counters = {"dispatched": 3, "snapshots": 1}
+        counters = {"dispatched": 3, "snapshots": 1, "duplicates": 2}
         agg = StepAggregator([0, 1], grace_s=0.05)
         policy = make_policy("staggered", dispatcher_id="scheduler", num_api_servers=1, ranks=[0, 1])
         live, drained = [0, 1], {1}
@@ -416,6 +416,9 @@ def test_metrics_hooks_without_a_cluster():
     assert 'lockstep_scheduler_dispatch_decisions_total{rank="0",reason="full"} 1.0' in text
     assert 'lockstep_scheduler_batch_hold_seconds_count{reason="full"} 2.0' in text
     assert "lockstep_scheduler_dispatched_total 3.0" in text
+    # the counters `lockstep status` shows are exported too (duplicates was only in status)
+    assert "lockstep_scheduler_duplicate_submissions_total 2.0" in text
+    assert "lockstep_scheduler_resumed_total 0.0" in text and "lockstep_scheduler_deferred_total 0.0" in text
     assert 'lockstep_scheduler_rank_drained{rank="1"} 1.0' in text
     assert 'lockstep_snapshot_rank_scheduled{rank="0"} 7.0' in text
     assert 'lockstep_scheduler_policy_batches_total{reason="full"}' in text

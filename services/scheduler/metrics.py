@@ -31,6 +31,10 @@ _SERVICE_COUNTERS = {
     "aborts_routed": ("lockstep_scheduler_aborts_routed", "Aborts forwarded to the owning rank"),
     "snapshots": ("lockstep_scheduler_snapshots_published", "Step-consistent snapshots published"),
     "bad_entries": ("lockstep_scheduler_bad_entries", "Request-stream entries that could not be handled"),
+    "resumed": ("lockstep_scheduler_resumed", "Requests placed again after their rank died (in dispatched too)"),
+    "deferred": ("lockstep_scheduler_deferred", "Request-stream entries left unread while max_unplaced were held"),
+    "duplicates": ("lockstep_scheduler_duplicate_submissions",
+                   "Second copies of a placed submission (written again through a dropped connection), dropped"),
 }
 _RANK_FIELDS = ("scheduled", "prefill", "decode", "waiting", "running", "kv_used", "kv_total", "outstanding", "held")
 
