@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from services.engine_worker import group_signature
 from services.engine_worker.lockstep import GroupBroken, LockstepGroup
 from services.engine_worker.step_view import STEP_PROTOCOL
 from shared import keys as K
@@ -47,6 +48,12 @@ class VersionMismatch(RuntimeError):
     cannot help: the group must run one version."""
 
 
+class GroupMismatch(VersionMismatch):
+    """Rank 0 runs another backend, device kind or model (group_signature.py): the
+    collectives cannot line up, so this rank refuses to join and exits with code 7, as for
+    another version."""
+
+
 class GroupMembership:
     """This process's place in the engine group (see the module docstring). Owns the rank,
     the group (``group``, what the step loop exchanges on), its generation and the
@@ -68,6 +75,7 @@ class GroupMembership:
         self.consumer = ""                      # this incarnation's inbox consumer (prepare_streams)
         self.ran = False                        # rank 0: the group formed under it (dist's "ran")
         self.formed_once = False                # this process has been in a formed group
+        self.signature = group_signature.encode(group_signature.signature(settings))
 
     async def claim_rank(self) -> int:
         """Take a rank slot with SET NX PX: the first free one, or the one asked for; it
@@ -189,7 +197,7 @@ class GroupMembership:
         alive_key, info_key = self.keys.rank_alive(self.rank), self.keys.rank_info(self.rank)
         identity = {"pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend, "token": self.token,
                     "step_tokens": self.s.max_num_batched_tokens, "max_seqs": self.s.max_num_seqs,
-                    "protocol": STEP_PROTOCOL}
+                    "protocol": STEP_PROTOCOL, "signature": self.signature}
         client = connect_sync(self.s.redis_url, timeout_s=max(0.5, self.s.heartbeat_ms / 1000),
                               connect_timeout_s=max(0.5, self.s.heartbeat_ms / 1000))
         log = self.log
@@ -273,7 +281,7 @@ class GroupMembership:
             "pid": os.getpid(), "host": socket.gethostname(), "backend": self.s.backend,
             "started": time.time(), "token": self.token, "consumer": consumer,
             "step_tokens": self.s.max_num_batched_tokens, "max_seqs": self.s.max_num_seqs,
-            "protocol": STEP_PROTOCOL})
+            "protocol": STEP_PROTOCOL, "signature": self.signature})
         return inbox_last, wave_last
 
     async def _rendezvous(self) -> tuple[str, int]:
@@ -282,12 +290,14 @@ class GroupMembership:
         if self.s.ranks == 1:
             return self.s.group_host, 0
         if self.rank == 0:
-            old = await self.r.hget(self.keys.dist, "gen")
+            old, old_sig = await self.r.hmget(self.keys.dist, "gen", "signature")
+            if old_sig is not None and old_sig.decode() != self.signature:
+                await self._refuse_a_live_group(old_sig.decode())
             self.gen = max(self.gen, int(old or 0)) + 1
             port = free_port()
             await self.r.hset(self.keys.dist, mapping={
                 "addr": self.s.group_host, "port": port, "world": self.s.ranks, "token": self.token, "t": time.time(),
-                "gen": self.gen, "formed": 0, "protocol": STEP_PROTOCOL})
+                "gen": self.gen, "formed": 0, "protocol": STEP_PROTOCOL, "signature": self.signature})
             return self.s.group_host, port
         deadline = time.monotonic() + max(self.s.collective_timeout_s, 60.0)
         while time.monotonic() < deadline and not self.stopping.is_set():
@@ -296,6 +306,7 @@ class GroupMembership:
             rank0 = await self.r.get(self.keys.rank_alive(0))
             if d and rank0 and d.get(b"token") == rank0 and int(d.get(b"gen", 0)) > self.gen:
                 self._check_protocol(d.get(b"protocol"))
+                self._check_signature(d.get(b"signature"))
                 self.gen = int(d[b"gen"])
                 return d[b"addr"].decode(), int(d[b"port"])
             await asyncio.sleep(0.05)
@@ -310,6 +321,37 @@ class GroupMembership:
             f"rank 0 runs {theirs}, this rank step protocol {STEP_PROTOCOL}: the ranks of a group exchange "
             f"fixed-width step rows, so every rank must run the same lockstep version. Stop the whole "
             f"group and start every rank on one version (docs/operations.md, 'One version per group').")
+
+    def _check_signature(self, published: bytes | None) -> None:
+        if published is None or published.decode() == self.signature:   # (None: rank 0 predates it)
+            return
+        diff = group_signature.differences(group_signature.decode(self.signature),
+                                           group_signature.decode(published.decode()))
+        raise GroupMismatch(
+            f"rank 0 runs another group: {'; '.join(diff)}. Every rank of a group runs one backend, device "
+            f"kind and model (the experts' all-to-all exchanges its tensors at every step): start this rank with "
+            f"rank 0's settings (LOCKSTEP_BACKEND, LOCKSTEP_DEVICE, LOCKSTEP_MODEL, LOCKSTEP_DTYPE; `lockstep "
+            f"config` shows them), or stop the whole group and start every rank with the new ones")
+
+    async def _refuse_a_live_group(self, theirs: str) -> None:
+        """Rank 0 whose group ran with another signature: where ranks of that group are
+        still live (this process replaced rank 0: a spare or a restart started with other
+        settings), this one is the odd rank, and refuses, rather than every good rank
+        refusing it. With none of them live the group starts anew with this signature."""
+        pipe = self.r.pipeline(transaction=False)
+        for rank in range(1, self.s.ranks):
+            pipe.exists(self.keys.rank_alive(rank))
+            pipe.hget(self.keys.rank_info(rank), "signature")
+        got = await pipe.execute()
+        live = [rank for rank, alive, sig in zip(range(1, self.s.ranks), got[::2], got[1::2])
+                if alive and sig is not None and sig.decode() == theirs]
+        if live:
+            diff = group_signature.differences(group_signature.decode(self.signature), group_signature.decode(theirs))
+            raise GroupMismatch(
+                f"this rank 0 would run another group than its live rank(s) {', '.join(map(str, live))}: "
+                f"{'; '.join(diff).replace('on rank 0', 'on them')}. Start rank 0 with their settings "
+                f"(LOCKSTEP_BACKEND, LOCKSTEP_DEVICE, LOCKSTEP_MODEL, LOCKSTEP_DTYPE; `lockstep config` shows "
+                f"them), or stop the whole group and start every rank with the new ones")
 
     async def form_group(self) -> None:
         addr, port = await self._rendezvous()

@@ -31,7 +31,8 @@ from services.engine_worker.hand_over import HandOver
 from services.engine_worker.inbox_reader import STOPPING_REDIS_GRACE_S, InboxReader
 from services.engine_worker.ingest import ingest
 from services.engine_worker.lockstep import Action, GroupBroken, StepView
-from services.engine_worker.membership import ClaimFailed, GroupLost, GroupMembership, VersionMismatch
+from services.engine_worker.membership import (ClaimFailed, GroupLost, GroupMembership, GroupMismatch,
+                                               VersionMismatch)
 from services.engine_worker.outputs import Outputs
 from services.engine_worker.pause import Pause
 from services.engine_worker.rank_state import RankState
@@ -154,7 +155,8 @@ class EngineWorker:
                 return 6
             return 0
         except VersionMismatch as exc:      # at the first formation or a re-formation
-            self.log.error("engine_version_mismatch", error=str(exc))
+            self.log.error("engine_group_mismatch" if isinstance(exc, GroupMismatch) else "engine_version_mismatch",
+                           error=str(exc))
             return 7
         finally:
             watcher.cancel()
