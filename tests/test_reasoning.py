@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.api_server.choice import StreamChoice, final
+from services.api_server.choice import with_reasoning, StreamChoice, final
 from services.api_server.errors import ApiError
 from services.api_server.gateway import RequestChannel
 from services.api_server.protocol import parse
@@ -88,8 +88,13 @@ def _channel(text: str, finish: str = "stop") -> RequestChannel:
 
 def test_a_whole_answer_has_its_thinking_apart():
     p = _chat()
-    msg = final(p, _channel("let me see</think>Paris"), 0, p.prompt, p.prompt_text)["message"]
+    ch = _channel("let me see</think>Paris")
+    msg = final(p, ch, 0, p.prompt, p.prompt_text)["message"]
     assert (msg["content"], msg["reasoning"], msg["reasoning_content"]) == ("Paris", "let me see", "let me see")
+    # usage's reasoning_tokens: the thinking's ("let me see": 10 byte tokens); it was never counted
+    assert ch.reasoning_tokens == 10
+    assert with_reasoning(p, {}, ch.reasoning_tokens) == {"completion_tokens_details": {"reasoning_tokens": 10}}
+    assert with_reasoning(_chat(""), {}, 0) == {}        # no parser: no thinking to count
     msg = final(p, _channel("still thinking", "length"), 0, p.prompt, p.prompt_text)["message"]
     assert (msg["content"], msg["reasoning"]) == (None, "still thinking")
     hidden = _chat(include_reasoning=False)
@@ -118,6 +123,7 @@ def test_a_stream_sends_thinking_then_answer_a_byte_at_a_time():
     first_answer = next(i for i, d in enumerate(deltas) if d.get("content"))
     assert not any("reasoning" in d for d in deltas[first_answer:])
     assert out[-1]["finish_reason"] == "stop"
+    assert ch.reasoning_tokens == 10
 
 
 def test_include_reasoning_false_needs_a_parser():
@@ -150,9 +156,14 @@ def test_a_cluster_with_a_reasoning_parser_answers_with_the_thinking_apart(r1_cl
         same = dict(max_tokens=24, seed=5, extra_body={"ignore_eos": True})
         text = c.completions.create(model="lockstep-moe", prompt=ids, **same).choices[0].text
         assert text and "</think>" not in text
-        msg = c.chat.completions.create(model="lockstep-moe", messages=msgs, **same).choices[0].message
+        whole = c.chat.completions.create(model="lockstep-moe", messages=msgs, **same)
+        msg = whole.choices[0].message
         assert msg.content is None and msg.model_extra["reasoning"] == text == msg.model_extra["reasoning_content"]
-        chunks = list(c.chat.completions.create(model="lockstep-moe", messages=msgs, stream=True, **same))
+        # all of it thinking: every output token is a reasoning token (it said 0)
+        assert whole.usage.completion_tokens_details.reasoning_tokens == whole.usage.completion_tokens == 24
+        chunks = list(c.chat.completions.create(model="lockstep-moe", messages=msgs, stream=True,
+                                                stream_options={"include_usage": True}, **same))
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 24
         deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
         assert "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas) == text
         assert not "".join(d.content or "" for d in deltas)
@@ -165,10 +176,12 @@ def test_a_cluster_with_a_reasoning_parser_answers_with_the_thinking_apart(r1_cl
         # Responses: the thinking is a reasoning item before the (empty) message
         r = c.responses.create(model="lockstep-moe", input="why is the sky blue?", max_output_tokens=24)
         assert [o.type for o in r.output] == ["reasoning", "message"] and r.output[0].content[0].text
+        assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
         events = list(c.responses.create(model="lockstep-moe", input="why is the sky blue?", max_output_tokens=24,
                                          stream=True))
         done = events[-1].response
         assert [o.type for o in done.output] == ["reasoning", "message"]
+        assert 0 < done.usage.output_tokens_details.reasoning_tokens <= done.usage.output_tokens
         assert done.output[0].content[0].text == "".join(e.delta for e in events
                                                          if e.type == "response.reasoning_text.delta")
     finally:

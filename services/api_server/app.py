@@ -22,7 +22,7 @@ from starlette.responses import Response, StreamingResponse
 from services.api_server.admission import admit, not_completed, ran_out
 from services.api_server.errors import ApiError, error_response
 from services.api_server.gateway import Gateway, RequestChannel, client_policy
-from services.api_server.choice import feed as _feed, final, prompt_part, text_tokens as _text_tokens
+from services.api_server.choice import feed as _feed, final, prompt_part, text_tokens as _text_tokens, with_reasoning
 from services.api_server.logprobs import CompletionLogprobs, chat_logprobs, names_for
 from services.api_server.multi import run_multi
 from services.api_server.metrics import ApiMetrics, unplaced
@@ -471,9 +471,10 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         n = 0 if p.drop_output else sent
         return {"prompt_tokens": len(p.prompt), "completion_tokens": n, "total_tokens": len(p.prompt) + n}
 
-    def _usage(p: ParsedRequest, ch: RequestChannel) -> dict[str, int]:
+    def _usage(p: ParsedRequest, ch: RequestChannel) -> dict[str, Any]:
         pt, n = ch.prompt_tokens, 0 if p.drop_output else len(ch.tokens)
-        return {"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n}
+        return with_reasoning(p, {"prompt_tokens": pt, "completion_tokens": n, "total_tokens": pt + n},
+                              ch.reasoning_tokens)
 
     def _observe(ch: RequestChannel, t0: float, n: int) -> None:
         metrics.request_done(ch, t0, time.monotonic())

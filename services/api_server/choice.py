@@ -65,6 +65,7 @@ def final(p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], p
         calls: list[tuple[str, str]] = []
         if p.reasoning is not None:
             thought, answer, calls = reasoning.split_calls(p.reasoning, text)
+            ch.reasoning_tokens = thinking_tokens(p, ch, thought)
         msg: dict[str, Any] = {"role": "assistant", "content": answer}
         if p.tool_call is not None:
             msg, finish = tools.message(p.tool_call, answer or "", finish, calls)
@@ -90,6 +91,24 @@ def final(p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], p
     if p.prompt_logprobs is not None:
         out["prompt_logprobs"] = prompt_logprobs(prompt, ch.prompt_lp or [], p.prompt_logprobs, names_for(p.tok))
     return out
+
+
+def thinking_tokens(p: ParsedRequest, ch: RequestChannel, thought: str | None) -> int:
+    """How many of the output's tokens were thinking (usage's reasoning_tokens): its text
+    encoded again, which gives back the tokens the model wrote but for a rare merge at the
+    edges; never more than the output has."""
+    if not thought:
+        return 0
+    n = len(p.tok.encode(thought, add_special_tokens=False)) if p.tok is not None else len(thought.encode("utf-8", "replace"))
+    return min(n, len(ch.tokens))
+
+
+def with_reasoning(p: ParsedRequest, u: dict[str, Any], thinking: int) -> dict[str, Any]:
+    """``usage`` with ``completion_tokens_details.reasoning_tokens`` (OpenAI's field) where
+    a reasoning parser tells the thinking from the answer."""
+    if p.kind == "chat" and p.reasoning is not None and not p.drop_output:
+        u["completion_tokens_details"] = {"reasoning_tokens": thinking}
+    return u
 
 
 def reasoning_fields(thought: str | None) -> dict[str, Any]:
@@ -118,6 +137,7 @@ class StreamChoice:
         self.held_lp: list[dict[str, Any]] = []   # chat logprobs of the held text
         self.calls_begun = False                  # "auto", a checkpoint's format: a <tool_call> tag came
         self.thinking = p.reasoning.splitter() if p.reasoning is not None else None
+        self.thought: list[str] = []              # the thinking so far (its tokens are counted at the end)
 
     def _entry(self, text: str | None, finish: str | None, lp: Any = None, role: bool = False) -> dict[str, Any]:
         if self.p.kind == "chat":
@@ -133,6 +153,7 @@ class StreamChoice:
         thought, answer = parts
         if not thought:
             return answer, lp
+        self.thought.append(thought)
         if self.p.include_reasoning:
             out.append({"index": self.index, "delta": reasoning_fields(thought), "logprobs": lp, "finish_reason": None})
             return answer, None
@@ -187,6 +208,7 @@ class StreamChoice:
             if self.thinking is not None:
                 head, held = self.thinking.feed(tail), self.thinking.finish()
                 tail = self._think((head[0] + held[0], head[1] + held[1]), None, out)[0]
+                self.ch.reasoning_tokens = thinking_tokens(p, self.ch, "".join(self.thought))
             finish = "stop" if self.stopper.stopped else ch.finish
             if p.tool_call is not None and getattr(self.thinking, "calls", None):
                 if tail:

@@ -49,7 +49,7 @@ class RequestChannel:
     """Tokens of one request as they arrive; ``pos`` in each delta drops duplicates."""
 
     __slots__ = ("id", "tokens", "finish", "error", "code", "prompt_tokens", "event", "rank", "first_t", "last_t",
-                 "req", "epoch", "logprobs", "prompt_lp", "gaps", "gap_epoch", "entry", "sent")
+                 "req", "epoch", "logprobs", "prompt_lp", "gaps", "gap_epoch", "entry", "sent", "reasoning_tokens")
 
     def __init__(self, rid: str) -> None:
         self.id = rid
@@ -72,6 +72,7 @@ class RequestChannel:
         self.gap_epoch = -1     # the epoch whose stream had a gap (its later deltas are dropped)
         self.entry: tuple[str, bytes] | None = None   # (stream, id) of its last submission
         self.sent = asyncio.Event()     # its submission's write came back (taken, or failed: then finish is set)
+        self.reasoning_tokens = 0       # with a reasoning parser: the thinking's tokens, once its choice is whole
 
     def _prompt_lp(self, entries: list, pos: int) -> None:
         have = self.prompt_lp if self.prompt_lp is not None else []

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator
 import orjson
 from starlette.responses import Response, StreamingResponse
 
-from services.api_server.choice import StreamChoice, final
+from services.api_server.choice import StreamChoice, final, with_reasoning
 from services.api_server.admission import admit, not_completed, ran_out
 from services.api_server.errors import ApiError
 from services.api_server.gateway import Gateway, RequestChannel
@@ -70,10 +70,12 @@ def pick(p: ParsedRequest, subs: list[Sub]) -> list[tuple[int, Sub]]:
     return out
 
 
-def usage(p: ParsedRequest, chosen: list[tuple[int, Sub]], subs: list[Sub]) -> dict[str, int]:
+def usage(p: ParsedRequest, chosen: list[tuple[int, Sub]], subs: list[Sub]) -> dict[str, Any]:
     pt = sum({s.prompt_no: s.ch.prompt_tokens or len(s.prompt) for s in subs}.values())
     ct = 0 if p.drop_output else sum(len(s.ch.tokens) for _, s in chosen)
-    return {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
+    return with_reasoning(p, {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct},
+                          sum(s.ch.reasoning_tokens for _, s in chosen))
+
 
 
 def _visible(p: ParsedRequest) -> ParsedRequest:
