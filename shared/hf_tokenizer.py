@@ -100,6 +100,7 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         self.eos_token_ids = self._eos_ids(d)
+        self.sampling_defaults = sampling_defaults(_read_json(d / "generation_config.json"))
         self._byte_inverse: dict[str, int] | None = None   # token_bytes: ByteLevel's map ({}: not byte-level)
 
     def _eos_ids(self, d: Path) -> tuple[int, ...]:
@@ -233,6 +234,35 @@ class IncrementalDecoder:
         now = self._decode(self._ids[self._prefix:])
         self._prefix = self._read = len(self._ids)
         return now[len(before):].rstrip("\ufffd")
+
+
+# generation_config.json's sampling fields a request that leaves them out gets, as vLLM's
+# --generation-config auto (its default) gives them: what the checkpoint's authors tuned
+# it for (Qwen3: temperature 0.6, top_p 0.95, top_k 20), where 1.0 / no cut makes it ramble.
+_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(gen: dict[str, Any]) -> dict[str, float | int]:
+    """The request defaults a checkpoint's generation_config.json sets (request names: its
+    max_new_tokens is max_tokens); a value of the wrong type or out of range is left out."""
+    out: dict[str, float | int] = {}
+    for src, name in _SAMPLING_FIELDS.items():
+        v = gen.get(src)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if name == "top_k":
+            if v == int(v) and v >= 0:
+                out[name] = int(v) if v > 0 else -1     # transformers' 0 is no cut, vLLM's -1
+        elif name == "max_tokens":
+            if v == int(v) and v >= 1:
+                out[name] = int(v)
+        elif name == "temperature" and v >= 0 or name in ("top_p", "min_p") and 0 <= v <= 1 or \
+                name == "repetition_penalty" and v > 0:
+            out[name] = float(v)
+    if out.get("top_p") == 0:
+        del out["top_p"]                                 # no token could be drawn
+    return out
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -180,6 +180,7 @@ class ApiServerSettings(Settings):
     dispatch: str = Field("scheduler", description="'scheduler' or 'client' (the replica picks ranks itself).")
     policy: str = Field("waterfill", description="Dispatch policy in client-dispatch mode (waterfill, round_robin, least_score, least_tokens; staggered needs dispatch 'scheduler': refused at start). waterfill places at once here: holding needs the one scheduler.")
     num_api_servers: int = Field(1, description="Replicas in the cluster (scales the local bump in client mode).")
+    generation_config: Literal["auto", "none"] = Field("auto", description="Sampling defaults for what a request leaves out: 'auto' = a served checkpoint's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens as max_tokens), as vLLM's --generation-config auto; 'none' = OpenAI's (temperature 1, no cut). The bundled model has none.")
     reasoning_parser: str = Field("", description="Tell a reasoning model's thinking from its answer in chat and Responses output, as vLLM's --reasoning-parser: deepseek_r1, qwen3, glm45 or deepseek_v3 (<think>...</think>; the thinking goes to 'reasoning' and 'reasoning_content'), or openai_gptoss (gpt-oss's harmony channels, and its tool calls); empty = the checkpoint's own (openai_gptoss for gpt-oss), else off: the thinking stays in the content.")
 
     @property

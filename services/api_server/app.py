@@ -176,6 +176,12 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         parser = settings.reasoning_parser or reasoning.default_parser(hf_text.model_type(ckpt))
         settings = settings.model_copy(update={"model": Path(ckpt).name, "reasoning_parser": parser})
         _ = tok.grammar_vocab   # built now, not inside the first structured-output request
+        if settings.generation_config == "none":
+            tok.sampling_defaults = {}
+        elif tok.sampling_defaults:
+            log.info("sampling_defaults_from_checkpoint", source=str(Path(ckpt) / "generation_config.json"),
+                     **tok.sampling_defaults, hint="a request's own values win; LOCKSTEP_GENERATION_CONFIG=none "
+                                                   "for OpenAI's defaults")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

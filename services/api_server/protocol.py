@@ -352,20 +352,23 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
                        # the field to shorten: the prompt when it alone does not fit
                        param=max_name if room >= 1 else "messages" if chat else "prompt",
                        code="context_length_exceeded")
+    # what the request leaves out: the checkpoint's generation_config.json, else OpenAI's
+    dflt = getattr(tok, "sampling_defaults", None) or {}
     if max_tokens is None:
-        max_tokens = room if chat else min(16, room)
+        max_tokens = min(dflt["max_tokens"], room) if "max_tokens" in dflt else room if chat else min(16, room)
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if b.temperature is None else b.temperature,
-        top_p=1.0 if b.top_p is None else b.top_p,
+        temperature=dflt.get("temperature", 1.0) if b.temperature is None else b.temperature,
+        top_p=dflt.get("top_p", 1.0) if b.top_p is None else b.top_p,
         seed=b.seed,
         stop=_stop(b.stop),
         ignore_eos=bool(b.ignore_eos),
-        top_k=-1 if b.top_k is None else b.top_k,
-        min_p=b.min_p or 0.0,
+        top_k=dflt.get("top_k", -1) if b.top_k is None else b.top_k,
+        min_p=dflt.get("min_p", 0.0) if b.min_p is None else b.min_p,
         presence_penalty=b.presence_penalty or 0.0,
         frequency_penalty=b.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if b.repetition_penalty is None else b.repetition_penalty,
+        repetition_penalty=dflt.get("repetition_penalty", 1.0) if b.repetition_penalty is None
+        else b.repetition_penalty,
     )
     stream = bool(b.stream)
     lp = _logprobs(b)
