@@ -83,25 +83,35 @@ def test_a_request_becomes_the_chat_request_that_answers_it():
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "zz", "output": "y"}]},
      "input[1].call_id"),                                           # answers no call in the input
-    ({"input": "x", "text": {"verbosity": "high"}}, "text.verbosity"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
-    ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": 5}, "input"),
     # the parameter rule: known and not supported, so a 400 unless neutral
-    ({"input": "x", "store": True}, "store"),
     ({"input": "x", "background": True}, "background"),
-    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
-    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"input": "x", "max_tool_calls": 2}, "max_tool_calls"),
+    ({"input": "x", "reasoning": {"budget": 5}}, "reasoning.budget"),
+    ({"input": "x", "include": ["file_search_call.results"]}, "include[0]"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_the_responses_field(body, param):
     with pytest.raises(ApiError) as err:
         to_chat(orjson.dumps({"model": MODEL, **body}))
     assert err.value.status == 400 and err.value.param == param, err.value.message
+
+
+def test_hints_that_change_no_answer_are_accepted_and_logged():
+    # what Codex-style clients send at every call, as vLLM accepts it (they were 400s)
+    hints = {"store": True, "reasoning": {"effort": "low", "summary": "auto"}, "text": {"verbosity": "low"},
+             "include": ["reasoning.encrypted_content"], "truncation": "auto"}
+    raw, t = to_chat(orjson.dumps({"model": MODEL, "input": "hi", **hints}))
+    c = orjson.loads(raw)
+    assert c["messages"] == [{"role": "user", "content": "hi"}] and c["reasoning_effort"] == "low"
+    assert sorted(t.ignored) == ["include.reasoning.encrypted_content", "reasoning.summary", "store",
+                                 "text.verbosity", "truncation"]
+    # the response says what was done: nothing stored
+    assert from_chat(_completion("a"), t)["store"] is False
 
 
 def test_a_chat_error_names_the_responses_field():

@@ -199,7 +199,14 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(tok):
     with pytest.raises(ApiError) as e:
         _chat(tok, reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"})
     assert e.value.param == "reasoning_effort"
-    with pytest.raises(ApiError) as e:      # the byte model's template reads no effort
-        parse({"model": "m", "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low"}, "chat",
-              served_model="m", max_model_len=4096, num_ranks=1)
-    assert e.value.param == "reasoning_effort" and e.value.status == 400
+    # a template that reads no effort (the byte model's) drops it and the api-server logs it,
+    # as vLLM's template ignores it: clients send an effort to every model (it was a 400)
+    plain = parse({"model": "m", "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low",
+                   "chat_template_kwargs": {"enable_thinking": False}}, "chat",
+                  served_model="m", max_model_len=4096, num_ranks=1)
+    assert set(plain.ignored) == {"reasoning_effort", "chat_template_kwargs.enable_thinking"}
+    assert plain.prompt_text == parse({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "chat",
+                                      served_model="m", max_model_len=4096, num_ranks=1).prompt_text
+    # a checkpoint's template: what it reads takes effect, the rest is dropped and logged
+    read = _chat(tok, reasoning_effort="high", chat_template_kwargs={"enable_thinking": True})
+    assert "Reasoning: high" in read.prompt_text and read.ignored == ("chat_template_kwargs.enable_thinking",)

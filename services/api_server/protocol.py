@@ -81,12 +81,8 @@ def chat_turn(b: Any) -> tuple[bool, bool]:
 
 
 def byte_chat_prompt(b: Any) -> str:
-    """The byte model's prompt text of a chat or tokenize body: its tools, then its turns."""
-    if b.chat_template_kwargs:   # (an empty object is neutral)
-        k = next(iter(b.chat_template_kwargs))
-        raise ApiError(400, f"'chat_template_kwargs' is not supported yet by the byte model's chat template: it "
-                       f"reads no variables, so {k!r} would change nothing (with a served checkpoint it takes effect "
-                       "where that template reads it)", param="chat_template_kwargs", code="unsupported_parameter")
+    """The byte model's prompt text of a chat or tokenize body: its tools, then its turns
+    (its template reads no variables: chat_template_kwargs are dropped, _template_kwargs)."""
     gen, cont = chat_turn(b)
     msgs = _messages(b.messages, calls_as_text=True)
     text = chat_template(msgs, gen)
@@ -219,21 +215,27 @@ def _part_text(part: Any, role: str, i: int) -> str:
                    param=f"messages[{i}].content")
 
 
-def _template_kwargs(b: Any, tok: Any) -> dict[str, Any] | None:
-    """chat_template_kwargs, and reasoning_effort for a template that reads it (gpt-oss's
-    sets "Reasoning: low|medium|high" in its system message, as vLLM passes it)."""
-    kwargs = b.chat_template_kwargs
-    if b.reasoning_effort is None:
-        return kwargs
+def _template_kwargs(b: Any, tok: Any) -> tuple[dict[str, Any] | None, list[str]]:
+    """(chat_template_kwargs and reasoning_effort as the template reads them, the names
+    dropped). gpt-oss's template sets "Reasoning: low|medium|high" from reasoning_effort. A
+    variable the template does not read is dropped and logged, as vLLM drops it: clients
+    and proxies send enable_thinking or an effort to every model (it was a 400)."""
+    kwargs = dict(b.chat_template_kwargs or {})
     template = getattr(tok, "chat_template", None) or ""
-    if not template or "reasoning_effort" not in template_variables(template):
-        raise ApiError(400, "'reasoning_effort' takes effect only where the model's chat template reads it "
-                       "(gpt-oss's does; this model's does not): leave it out", param="reasoning_effort",
-                       code="unsupported_parameter")
-    if (kwargs or {}).get("reasoning_effort", b.reasoning_effort) != b.reasoning_effort:
-        raise ApiError(400, "'reasoning_effort' and chat_template_kwargs.reasoning_effort differ: send one",
-                       param="reasoning_effort")
-    return {**(kwargs or {}), "reasoning_effort": b.reasoning_effort}
+    reads = template_variables(template) if template else set()
+    own = {"messages", "add_generation_prompt", "tools", "documents", *getattr(tok, "special_tokens", {})}
+    dropped = [f"chat_template_kwargs.{k}" for k in kwargs if k not in reads and k not in own]
+    kwargs = {k: v for k, v in kwargs.items() if k in reads or k in own}   # own ones: a 400 (hf_text)
+    effort = getattr(b, "reasoning_effort", None)
+    if effort is not None:
+        if "reasoning_effort" not in reads:
+            dropped.append("reasoning_effort")
+        elif kwargs.get("reasoning_effort", effort) != effort:
+            raise ApiError(400, "'reasoning_effort' and chat_template_kwargs.reasoning_effort differ: send one",
+                           param="reasoning_effort")
+        else:
+            kwargs["reasoning_effort"] = effort
+    return kwargs or None, dropped
 
 
 def _messages(msgs: list[ChatMessage], calls_as_text: bool = False,
@@ -317,13 +319,14 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
         raise ApiError(400, "'include_reasoning' false needs a reasoning parser to tell the thinking from the answer: "
                        "start the server with LOCKSTEP_REASONING_PARSER (lockstep up --reasoning-parser), or leave "
                        "it out", param="include_reasoning", code="unsupported_parameter")
+    if chat:
+        kwargs, dropped = _template_kwargs(b, tok)
+        ignored = (*ignored, *dropped)
     if chat and tok is not None:
         reads_calls = "tool_calls" in (getattr(tok, "chat_template", None) or "")
         text, prompt = hf_text.chat_prompt(tok, _messages(b.messages, template_reads_calls=reads_calls),
-                                           *chat_turn(b), _template_kwargs(b, tok),
-                                           tools.template_tools(b.tools))
+                                           *chat_turn(b), kwargs, tools.template_tools(b.tools))
     elif chat:
-        _template_kwargs(b, tok)
         text = byte_chat_prompt(b)
         prompt = encode(text)
     else:
@@ -457,7 +460,7 @@ def parse_tokenize(body: bytes | Any, served_model: str, tok: Any = None) -> tup
     if b.prompt is not None:
         return (encode(b.prompt) if tok is None else tok.encode(b.prompt)), strs
     if tok is not None:
-        return hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b), b.chat_template_kwargs,
+        return hf_text.chat_prompt(tok, _messages(b.messages), *chat_turn(b), _template_kwargs(b, tok)[0],
                                    tools.template_tools(b.tools))[1], strs
     # tools are shown in the prompt as a chat completion shows them, so the count is the same
     return encode(byte_chat_prompt(b)), strs

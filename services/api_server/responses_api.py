@@ -196,10 +196,7 @@ def _tool_choice(choice: Any, tools: list[Any] | None) -> Any:
 
 def _format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     for k, v in (text or {}).items():
-        if k == "verbosity" and v not in (None, "medium"):
-            raise ApiError(400, "'text.verbosity': only \"medium\" is supported (the model has one length)",
-                           param="text.verbosity", code="unsupported_parameter")
-        if k not in ("format", "verbosity"):
+        if k not in ("format", "verbosity"):      # (verbosity: a hint, see _hints)
             raise ApiError(400, f"'text.{k}' is not a field of text (format, verbosity)", param=f"text.{k}")
     fmt = (text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
@@ -218,7 +215,28 @@ def _format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _NEUTRAL = {"background": (None, False), "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
-            "service_tier": (None, "auto", "default"), "store": (None, False)}
+            "service_tier": (None, "auto", "default")}
+ENCRYPTED_INCLUDE = "reasoning.encrypted_content"
+
+
+def _hints(b: ResponsesBody) -> list[str]:
+    """Fields that ask for what this server cannot give but that change no answer it gives,
+    accepted and logged as vLLM's Responses route accepts them (Codex-style clients send
+    them at every call; they were 400s): ``store`` true (nothing is kept: the response says
+    store false, and previous_response_id stays a 400), a reasoning summary or encrypted
+    reasoning (none is made), ``text.verbosity`` (the model has one length) and
+    ``truncation`` "auto" (an input past the context is still the usual 400)."""
+    out = []
+    if b.store:
+        out.append("store")
+    out += [f"reasoning.{k}" for k, v in (b.reasoning or {}).items() if k != "effort" and v is not None]
+    if ENCRYPTED_INCLUDE in (b.include or ()):
+        out.append(f"include.{ENCRYPTED_INCLUDE}")
+    if (b.text or {}).get("verbosity") not in (None, "medium"):
+        out.append("text.verbosity")
+    if b.truncation == "auto":
+        out.append("truncation")
+    return out
 
 
 def _neutral_only(b: ResponsesBody) -> None:
@@ -226,17 +244,17 @@ def _neutral_only(b: ResponsesBody) -> None:
     for name, neutral in _NEUTRAL.items():
         v = getattr(b, name)
         if v not in neutral:
-            why = {"store": "this server keeps no responses (store false)",
-                   "background": "responses run in the foreground here"}.get(name, "not supported yet")
+            why = {"background": "responses run in the foreground here"}.get(name, "not supported yet")
             raise ApiError(400, f"'{name}': {why}; send {orjson.dumps(neutral[-1]).decode()} or leave it out",
                            param=name, code="unsupported_parameter")
-    if b.reasoning is not None and any(v is not None for k, v in b.reasoning.items() if k != "effort"):
-        raise ApiError(400, "'reasoning': only 'effort' is supported (a reasoning model's thinking is a "
-                       "reasoning output item, whole, with a reasoning parser): leave the rest out",
-                       param="reasoning", code="unsupported_parameter")
+    for k in b.reasoning or {}:
+        if k not in ("effort", "summary", "generate_summary"):
+            raise ApiError(400, f"'reasoning.{k}' is not a field of reasoning (effort, summary)",
+                           param=f"reasoning.{k}")
     for i, inc in enumerate(b.include or ()):
-        if inc != LOGPROBS_INCLUDE:
-            raise ApiError(400, f"'include[{i}]': only {LOGPROBS_INCLUDE!r} is supported", param=f"include[{i}]",
+        if inc not in (LOGPROBS_INCLUDE, ENCRYPTED_INCLUDE):
+            raise ApiError(400, f"'include[{i}]': only {LOGPROBS_INCLUDE!r} (and {ENCRYPTED_INCLUDE!r}, which "
+                           "gives nothing: no reasoning is encrypted here) is supported", param=f"include[{i}]",
                            code="unsupported_parameter")
 
 
@@ -249,9 +267,6 @@ def to_chat(raw: bytes) -> tuple[bytes, Translated]:
                        "so far as 'input' (its items, then the new turn)", param="previous_response_id",
                        code="unsupported_parameter")
     _neutral_only(b)
-    if b.truncation == "auto":
-        raise ApiError(400, "'truncation' \"auto\" is not supported: an input past the context is a 400 "
-                       "(send \"disabled\" or leave it out)", param="truncation", code="unsupported_parameter")
     messages, sources = _messages(b)
     chat: dict[str, Any] = {"model": b.model, "messages": messages}
     for name, v in (("max_completion_tokens", b.max_output_tokens), ("temperature", b.temperature),
@@ -277,7 +292,7 @@ def to_chat(raw: bytes) -> tuple[bytes, Translated]:
             "tools": b.tools or [], "text": b.text or {"format": {"type": "text"}}, "user": b.user,
             "top_logprobs": b.top_logprobs}
     return orjson.dumps(chat), Translated("resp_" + uuid.uuid4().hex, int(time.time()), echo, sources, logprobs,
-                                          ignored=unknown)
+                                          ignored=(*unknown, *_hints(b)))
 
 
 _PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
