@@ -121,3 +121,86 @@ def test_scheduler_never_overwrites_another_leaders_lease(redis_url, namespace):
         finally:
             await svc.r.aclose()
     asyncio.run(go())
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def _note(self, event: str, **kw) -> None:
+        self.events.append(event)
+    info = warning = error = debug = _note
+
+
+def test_the_lease_keeper_extends_only_while_the_loop_goes_round(redis_url, namespace):
+    from services.scheduler.lease_keeper import LeaseKeeper
+    r = redis.Redis.from_url(redis_url)
+    key = K.Keys(namespace).leader
+    log = _Events()
+    keeper = LeaseKeeper(redis_url, key, "me", 300, log)
+    keeper.bound_s = 1.0
+    stop = keeper.start()
+    try:
+        r.set(key, "me", px=300)
+        deadline = time.monotonic() + 1.5          # 5 leases: it would have lapsed 4 times
+        while time.monotonic() < deadline:
+            keeper.mark_progress()
+            assert r.get(key) == b"me"
+            time.sleep(0.05)
+        # the loop stops going round: the lease lapses once the bound has passed, and it says why
+        _wait(lambda: r.get(key) is None, 5, "a wedged leader's lease lapses")
+        assert "scheduler_stalled" in log.events
+        # it never takes a free lease (the loop does, and announces it) nor another's
+        keeper.mark_progress()
+        time.sleep(0.5)
+        assert r.get(key) is None
+        r.set(key, "other", px=5000)
+        time.sleep(0.5)
+        assert r.get(key) == b"other" and r.pttl(key) < 4700
+    finally:
+        stop()
+        r.close()
+
+
+def test_a_leader_whose_loop_stalls_a_moment_keeps_leading(redis_url, namespace):
+    # A 1.2 s stall of the scheduler's event loop (a burst of dispatches, a host short of CPU)
+    # let the 300 ms lease lapse and a standby take it: the leader stepped down and was
+    # restarted, and every request in flight was placed again.
+    k = K.Keys(namespace)
+    taken: list[bool] = []
+
+    def standby() -> None:
+        r = redis.Redis.from_url(redis_url)
+        try:
+            end = time.monotonic() + 1.2
+            while time.monotonic() < end and not taken:
+                if r.set(k.leader, "standby", nx=True, px=5000):
+                    taken.append(True)
+                time.sleep(0.02)
+        finally:
+            r.close()
+
+    async def go() -> None:
+        svc = SchedulerService(SchedulerSettings(redis_url=redis_url, namespace=namespace, lease_ms=300, ranks=1))
+        task = asyncio.create_task(svc.run())
+        try:
+            r = connect(redis_url)
+            try:
+                for _ in range(500):
+                    if await r.get(k.leader) == svc.id.encode() and svc.leadership.keeper is not None:
+                        break
+                    await asyncio.sleep(0.02)
+                assert await r.get(k.leader) == svc.id.encode()
+                t = threading.Thread(target=standby)
+                t.start()
+                time.sleep(1.2)                       # the loop stalls (blocking, on purpose)
+                t.join(5)
+                await asyncio.sleep(0.5)              # and goes on
+                assert not taken, "a standby took the lease of a leader that only stalled"
+                assert not svc.stop.is_set() and await r.get(k.leader) == svc.id.encode()
+            finally:
+                await r.aclose()
+        finally:
+            svc.stop.set()
+            assert await asyncio.wait_for(task, 10) == 0
+    asyncio.run(go())

@@ -52,9 +52,69 @@ def test_a_rank_whose_every_process_dies_stops_the_supervisor(tmp_path):
 @pytest.mark.timeout(120)
 def test_spares_that_keep_dying_are_held_back_without_stopping_the_cluster(tmp_path):
     sup = Dying(tmp_path, spares=1)
-    sup._next_top_up = float("inf")    # no Redis here: only the restart path starts spares
+    sup._next_look = float("inf")      # no Redis here: only the restart path starts spares
     sup._spawn_spare()
     assert sup.run_rounds(MAX_RESTARTS_PER_MIN + 1)
     assert any("hot spares keep exiting" in m for m in sup.said), sup.said
     assert sup.children == []          # none started again for a minute
     assert sup.run_rounds(1)
+
+
+class Sleeping(Supervisor):
+    """Children that run until killed (a frozen engine stands for itself), on a real Redis."""
+
+    namespace = "sup"
+    world = 2
+
+    def __init__(self, log_dir: Path, url: str, namespace: str) -> None:
+        self.said: list[str] = []
+        super().__init__(log_dir, out=self.said.append)
+        self.url, self.namespace, self.spares = url, namespace, 0
+
+    @staticmethod
+    def _popen(args, env, log) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+@pytest.mark.timeout(60)
+def test_an_engine_still_running_after_its_slot_lapsed_is_killed_and_replaced(tmp_path, redis_url, namespace,
+                                                                              monkeypatch):
+    # A frozen rank (kill -STOP, a wedged step loop) stopped the whole group for as long as
+    # it stayed frozen under `lockstep up --spares 0`: only a process that exits was replaced.
+    import socket
+    import time
+
+    import redis
+
+    from services.admin import supervisor as sup_mod
+    from shared.keys import Keys
+
+    monkeypatch.setattr(sup_mod, "WEDGED_AFTER_S", 0.5)
+    r, k = redis.Redis.from_url(redis_url), Keys(namespace)
+    sup = Sleeping(tmp_path, redis_url, namespace)
+    try:
+        sup._spawn("engine-1", ["engine-worker"], {})
+        sup._spawn("spare-1", ["engine-worker"], {})       # waiting for a slot: never judged
+        frozen = sup.children[0].proc
+        r.hset(k.rank_info(1), mapping={"pid": frozen.pid, "token": "t1", "host": socket.gethostname()})
+        r.set(k.rank_alive(1), "t1")
+        assert sup.supervise() and frozen.poll() is None   # holds its slot: healthy
+
+        r.delete(k.rank_alive(1))                          # its heartbeat stopped: the slot lapsed
+        sup._next_look = 0.0
+        sup.reap_wedged(None)                              # Redis unreadable: nothing judged across it
+        assert sup.supervise() and frozen.poll() is None   # not yet: the first look without it
+        time.sleep(0.6)
+        sup._next_look = 0.0
+        assert sup.supervise()
+        assert frozen.wait(10) == -9
+        assert any("still runs" in m and "slot lapsed" in m for m in sup.said), sup.said
+        assert sup.supervise()                             # next round: started again for its rank
+        assert sup.children[0].proc is not frozen and sup.children[0].proc.poll() is None
+        assert any("engine-1 exited with code -9; restarted it" in m for m in sup.said), sup.said
+        assert sup.children[1].proc.poll() is None         # the spare was left alone
+    finally:
+        for c in sup.children:
+            c.proc.kill()
+            c.proc.wait(10)
+        r.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +27,10 @@ from shared.bus import connect
 from shared.redis_server import die_with_parent
 
 MAX_RESTARTS_PER_MIN = 5
+# An engine process still running this long after its rank slot lapsed (read in
+# successive looks at Redis, so an outage is not taken for it) is wedged: frozen, stuck in
+# its step loop, or cut off from Redis. Killed, it is replaced like a crash.
+WEDGED_AFTER_S = 5.0
 
 
 @dataclass
@@ -52,9 +57,11 @@ class Supervisor:
         self.children: list[Child] = []
         self.spare_env: dict[str, str] = {}
         self.spares_started = 0
-        self._next_top_up = 0.0
         self._deaths: dict[str, list[float]] = {}   # recent deaths: per rank, per role, of the spares
         self._spares_held_until = 0.0               # no spare started before (they kept dying)
+        self._next_look = 0.0
+        self._held_pids: set[int] = set()           # engine processes seen holding a rank slot
+        self._unheld_since: dict[int, float] = {}   # ... and no longer holding it, since
 
     def _spawn(self, role: str, args: list[str], env: dict[str, str]) -> None:
         log = self.log_dir / f"{role}.log"
@@ -130,13 +137,14 @@ class Supervisor:
         k = K.Keys(self.namespace)
         pipe = r.pipeline(transaction=False)
         for rank in range(self.world):
-            pipe.hmget(k.rank_info(rank), ["pid", "token"])
+            pipe.hmget(k.rank_info(rank), ["pid", "token", "host"])
             pipe.get(k.rank_alive(rank))
         res = await pipe.execute()
         held = {}
         for rank in range(self.world):
-            (pid, token), alive = res[2 * rank], res[2 * rank + 1]
-            if token is not None and alive == token:
+            (pid, token, host), alive = res[2 * rank], res[2 * rank + 1]
+            # (a pid of another host's process is not one of ours)
+            if token is not None and alive == token and host in (None, self._host):
                 held[rank] = (int(pid or 0), token)
         return held
 
@@ -147,6 +155,36 @@ class Supervisor:
             return {pid: rank for rank, (pid, _) in (await self._held_slots(r)).items()}
         finally:
             await r.aclose()
+
+    _host = socket.gethostname().encode()
+
+    def reap_wedged(self, held_by_pid: dict[int, int] | None) -> None:
+        """Kill an engine process that held a rank slot and has not for WEDGED_AFTER_S
+        while it still runs (``held_by_pid`` None: Redis could not be read, and nothing is
+        judged across it). A frozen rank stopped the whole group for as long as it stayed
+        frozen: only a process that exits was replaced, and without spares nothing took its
+        slot. Its replacement (a spare, or the process started again) follows next round."""
+        now = time.monotonic()
+        if held_by_pid is None:
+            self._unheld_since.clear()
+            return
+        for c in self.children:
+            pid = c.proc.pid
+            if not c.role.startswith(("engine-", "spare-")) or c.proc.poll() is not None:
+                continue
+            if pid in held_by_pid:
+                self._held_pids.add(pid)
+                self._unheld_since.pop(pid, None)
+                continue
+            if pid not in self._held_pids:
+                continue              # starting, or a spare waiting for a slot
+            since = self._unheld_since.setdefault(pid, now)
+            if now - since >= WEDGED_AFTER_S:
+                self.out(f"lockstep: {c.role} (pid {pid}) still runs {now - since:.0f}s after its rank slot lapsed "
+                         f"(frozen, stuck, or cut off from Redis); killed it to replace it. Log: {c.log}")
+                c.proc.kill()
+                self._held_pids.discard(pid)
+                self._unheld_since.pop(pid, None)
 
     def _waiting_spares(self) -> int:
         return sum(1 for c in self.children if c.role.startswith("spare-") and c.proc.poll() is None)
@@ -191,8 +229,9 @@ class Supervisor:
 
     def supervise(self) -> bool:
         """One round of the supervisor: replace the children that exited and, once a
-        second, the spares that took a rank slot. False (and the children stopped) when
-        one keeps exiting. ``lockstep chaos`` drives it too."""
+        second, kill the engines wedged (reap_wedged) and replace the spares that took a
+        rank slot. False (and the children stopped) when one keeps exiting. ``lockstep
+        chaos`` drives it too."""
         for c in list(self.children):
             code = c.proc.poll()
             if code is None:
@@ -202,13 +241,15 @@ class Supervisor:
                          f"stopping. Log: {c.log}")
                 self.stop()
                 return False
-        if self.spares > 0 and time.monotonic() >= self._next_top_up:
-            self._next_top_up = time.monotonic() + 1.0
+        if time.monotonic() >= self._next_look and any(c.role.startswith(("engine-", "spare-"))
+                                                        for c in self.children):
+            self._next_look = time.monotonic() + 1.0
             try:
                 held = asyncio.run(self.held_by_pid())
             except Exception:  # noqa: BLE001 - Redis blip: looked at again in a second
                 held = None
-            if held is not None:
+            self.reap_wedged(held)
+            if held is not None and self.spares > 0:
                 self.top_up_spares(held)
         return True
 

@@ -35,6 +35,7 @@ class Leadership:
         # The cluster record as this scheduler last read it: written back whole (backend and
         # port too, which no scheduler setting holds) when a restarted Redis lost it.
         self.record: dict[str, str] = {}
+        self.keeper: Any = None   # the lease's thread (lease_keeper.py), once leading: told of each round
 
     async def become_leader(self) -> bool:
         """Campaign until the lease is ours (True) or we stop (False). Redis going away
@@ -108,6 +109,8 @@ class Leadership:
     async def renew_lease(self) -> None:
         """One renewal, after a third of the lease; also writes the leader's counters."""
         await asyncio.sleep(self.s.lease_ms / 3000)
+        if self.keeper is not None:
+            self.keeper.mark_progress()
         # Fenced (shared/lease.py): extended only while it is ours, taken back only if free
         # (a restarted server, a long outage); another leader's lease is never overwritten.
         before = await self.r.get(self.keys.leader)

@@ -20,6 +20,7 @@ from services.scheduler.batching import BatchReleaser
 from services.scheduler.inbox_writer import InboxWriter
 from services.scheduler.intake import Intake
 from services.scheduler.leadership import ClusterMismatch, Leadership
+from services.scheduler.lease_keeper import LeaseKeeper
 from services.scheduler.loops import resilient
 from services.scheduler.membership import Membership
 from services.scheduler.recovery import Recovery
@@ -97,23 +98,29 @@ class SchedulerService:
             return 2
         self.log.info("scheduler_leading", policy=self.s.policy, ranks=self.s.ranks,
                       dispatcher=self.state.dispatcher_id)
-        from services.scheduler.metrics import start_metrics
-        self.metrics = self.writer.metrics = start_metrics(self, self.s.metrics_port, self.s.metrics_host, self.log)
-        # First what this consumer (or a dead predecessor) read but never acked.
-        self.state.redis_trouble = True
-        loops = {"requests": self.intake.iteration, "stats": self.steps.iteration,
-                 "membership": self.membership.iteration, "lease": self.leadership.renew_lease}
-        if self.state.batching:
-            loops["batches"] = self.batches.iteration
-        tasks = [asyncio.create_task(self._loop(what, it)) for what, it in loops.items()]
-        stopper = asyncio.create_task(self.stop.wait())
-        done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for t in done:
-            if t is not stopper and t.exception():
-                self.log.error("scheduler_failed", error=repr(t.exception()))
+        self.leadership.keeper = LeaseKeeper(self.s.redis_url, self.keys.leader, self.id, self.s.lease_ms, self.log)
+        stop_keeper = self.leadership.keeper.start()
+        try:
+            from services.scheduler.metrics import start_metrics
+            self.metrics = self.writer.metrics = start_metrics(self, self.s.metrics_port, self.s.metrics_host,
+                                                               self.log)
+            # First what this consumer (or a dead predecessor) read but never acked.
+            self.state.redis_trouble = True
+            loops = {"requests": self.intake.iteration, "stats": self.steps.iteration,
+                     "membership": self.membership.iteration, "lease": self.leadership.renew_lease}
+            if self.state.batching:
+                loops["batches"] = self.batches.iteration
+            tasks = [asyncio.create_task(self._loop(what, it)) for what, it in loops.items()]
+            stopper = asyncio.create_task(self.stop.wait())
+            done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for t in done:
+                if t is not stopper and t.exception():
+                    self.log.error("scheduler_failed", error=repr(t.exception()))
+        finally:   # before the release: it must not extend the lease after it
+            stop_keeper()
         try:   # only if still ours; Redis may be gone (then the lease lapses after lease_ms)
             await asyncio.wait_for(lease.release(self.r, self.keys.leader, self.id), RELEASE_TIMEOUT_S)
         except (TimeoutError, *TRANSIENT) as exc:
