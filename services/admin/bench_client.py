@@ -116,10 +116,30 @@ async def drive(client: Any, base: str, model: str, items: list[Item], progress:
             return res
 
         t0 = time.perf_counter()
-        for i, it in enumerate(items):
-            delay = t0 + it.t - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(it, i)))
-            bar.advance(sent_t)
-        return list(await asyncio.gather(*tasks))
+        try:
+            for i, it in enumerate(items):
+                delay = t0 + it.t - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(it, i)))
+                bar.advance(sent_t)
+            return list(await asyncio.gather(*tasks))
+        except asyncio.CancelledError:
+            # Ctrl-C (asyncio.run cancels the run): the requests in flight are dropped (their
+            # streams closed, so the cluster aborts them) and the run reports what finished.
+            # A second Ctrl-C stops at once.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            raise Interrupted([t.result() for t in tasks if not t.cancelled() and t.exception() is None]) from None
+
+
+class Interrupted(Exception):
+    """The run was stopped (Ctrl-C) before every request finished: those that did."""
+
+    def __init__(self, results: list[Result]) -> None:
+        super().__init__(f"interrupted after {len(results)} finished requests")
+        self.results = results

@@ -129,6 +129,9 @@ def bench(
                                 "or give --capacity", err=True)
                 probe = asyncio.run(run_bench(url, rurl, namespace, workload, requests, rate, seed, None,
                                               at_once=True, api_key=key))
+                if probe.get("interrupted"):
+                    fail(f"interrupted during the capacity probe ({probe['completed']} of {probe['requests']} "
+                         "requests finished); nothing measured", 130)
                 if not probe["completed"] or not probe["duration_s"]:
                     fail("the capacity probe completed no request: is the cluster serving?", 1)
                 capacity = probe["completed"] / probe["duration_s"]
@@ -143,6 +146,8 @@ def bench(
                        capacity_measured=probe is not None,
                        capacity_probe={k: probe[k] for k in ("requests", "completed", "duration_s",
                                                               "throughput_tok_s")} if probe else None)
+    except KeyboardInterrupt:      # a second Ctrl-C, or one between the probe and the run
+        fail("interrupted", 130)
     except (ValueError, OSError) as exc:
         fail(str(exc))
     except RedisError as exc:   # the step stats are read there: a clear error, not a traceback
@@ -168,6 +173,10 @@ def bench(
     elif doc.get("rejected"):
         typer.echo(f"lockstep bench: {doc['rejected']} of {doc['requests']} requests were refused with 429 "
                    "(admission control: the cluster was above capacity)", err=True)
+    if doc.get("interrupted"):
+        typer.secho(f"lockstep bench: interrupted: the figures are those of the {doc['completed']} requests that "
+                    f"finished ({doc['not_finished']} of {doc['requests']} did not)", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(130)
     if doc["completed"] == 0 or doc.get("error") or errors:
         raise typer.Exit(1)
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from services.admin.bench_client import WARM_CONNECTIONS, base_url, drive, served_model
+from services.admin.bench_client import WARM_CONNECTIONS, Interrupted, base_url, drive, served_model
 from services.admin.bench_measures import engine_report
 from services.admin.bench_trace import build_trace
 from services.admin.stats_follower import StatsFollower
@@ -22,6 +22,7 @@ async def run_bench(url: str, redis_url: str | None, namespace: str, workload: s
                     rate: float, seed: int, trace: Optional[Path], progress: bool = True,
                     at_once: bool = False, api_key: str | None = None) -> dict[str, Any]:
     import httpx
+    from redis.exceptions import RedisError
 
     from shared import keys as K
     from shared.bus import connect
@@ -55,27 +56,40 @@ async def run_bench(url: str, redis_url: str | None, namespace: str, workload: s
         r = connect(redis_url) if redis_url else None
         follower = StatsFollower(r, keys.stats) if r is not None else None
         num_ranks = 0
+        interrupted = False
+        follow_task: asyncio.Task | None = None
         try:
             if r is not None:
                 num_ranks = int((await r.hget(keys.cluster, "ranks")) or 0)
                 await follower.start_id()
-            follow_task = asyncio.create_task(follower.run()) if follower else None
-            results = await drive(client, base, model, items, progress)
+                follow_task = asyncio.create_task(follower.run())
+            try:
+                results = await drive(client, base, model, items, progress)
+            except Interrupted as stopped:
+                results, interrupted = stopped.results, True
             t_end_wall = time.time()
-            if follower is not None:
-                await asyncio.sleep(STATS_SETTLE_S)
+            if follow_task is not None:
+                if not interrupted:
+                    await asyncio.sleep(STATS_SETTLE_S)
                 follower.stop()
                 await follow_task
             per_rank_req: dict[str, int] = {}
-            if r is not None:
+            if r is not None and follower.error is None:
                 ids = [x.id for x in results if x.ok and x.id]
                 pipe = r.pipeline(transaction=False)
                 for rid in ids:
                     pipe.hget(keys.req(rid), "rank")
-                for v in await pipe.execute():
+                try:
+                    got = await pipe.execute()
+                except (RedisError, OSError) as exc:
+                    follower.error, got = exc, []
+                for v in got:
                     if v is not None:
                         per_rank_req[v.decode()] = per_rank_req.get(v.decode(), 0) + 1
         finally:
+            if follow_task is not None and not follow_task.done():
+                follow_task.cancel()
+                await asyncio.gather(follow_task, return_exceptions=True)
             if r is not None:
                 await r.aclose()
 
@@ -102,11 +116,19 @@ async def run_bench(url: str, redis_url: str | None, namespace: str, workload: s
             out[f"{label}_{k}_ms"] = None if math.isnan(v) else v * 1000.0
         out[f"{label}_max_ms"] = max(vals) * 1000.0 if vals else None
     out["ttft_ms"] = [None if x.ttft is None else round(x.ttft * 1000.0, 3) for x in results]
-    if follower is not None:
+    if interrupted:
+        out["interrupted"] = True      # Ctrl-C: the figures are those of the requests that finished
+        out["not_finished"] = len(items) - len(results)
+    if follower is not None and follower.error is None:
         sm = engine_report(follower.rows, num_ranks, t_first - 1.0, t_end_wall + STATS_SETTLE_S,
                            namespace, redis_url)
         out.update(sm)
         out["per_rank_requests"] = {str(k): per_rank_req.get(str(k), 0) for k in range(sm["ranks"])}
     else:
         out["balance_ratio"] = out["idle_forward_fraction"] = None
+        if follower is not None:
+            from shared.bus import redact_url
+            out["error"] = (f"the cluster's Redis ({redact_url(redis_url or '')}) went away mid-run "
+                            f"({follower.error.__class__.__name__}: {follower.error}): the step stats stop there, "
+                            "so balance and idle forwards are null; the client-side figures stand")
     return out

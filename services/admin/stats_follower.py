@@ -15,12 +15,22 @@ class StatsFollower:
         self.last: bytes | str = "0-0"
         self._stop = asyncio.Event()
         self._until: tuple[int, int] | None = None   # stop(): read up to this entry id, then return
+        self.error: Exception | None = None          # Redis went away mid-run: the rows stop there
 
     async def start_id(self) -> None:
         tail = await self.r.xrevrange(self.stream, count=1)
         self.last = tail[0][0] if tail else "0-0"
 
     async def run(self) -> None:
+        """Read until stop() and the stream's end at it; a Redis error ends the reading
+        (kept in ``error``: the bench's client-side figures stand without the rows)."""
+        from redis.exceptions import RedisError
+        try:
+            await self._follow()
+        except (RedisError, OSError) as exc:
+            self.error = exc
+
+    async def _follow(self) -> None:
         from shared.bus import entry_id_key
         from shared.messages import loads
         while True:
