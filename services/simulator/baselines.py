@@ -24,7 +24,8 @@ vllm                       vLLM today (core_client.py ``DPLBAsyncMPClient``): sc
                            ``waiting × 6 × max(0, kv − 0.5)`` (#49204); scan start rotates
                            after every decision (#47420); +client_count bump; the 100 ms
                            coordinator view replaces the local one; engines publish before
-                           and after each step (#41626). Default deployment: client.
+                           and after each step (#41626): here after it only (a view up to one
+                           step staler). Default deployment: client.
 sglang_total_requests      SGLang ``DPBudget`` (data_parallel_controller.py), one controller:
                            snapshots with an unchanged timestamp are skipped; first rank with
                            the fewest running + waiting; +1 bump; refresh <= 20 ms; ranks
@@ -147,7 +148,9 @@ class VllmDPLB(_SeqMixin):
       included. Before the first message the counts are zeros (#22910).
     * Engines publish (waiting, running) when changed, before and after each step (#41626,
       ``_maybe_publish_request_counts``); the coordinator (vllm/v1/engine/coordinator.py)
-      forwards a view every ``stats_update_interval_ms`` (100 ms) while stats change.
+      forwards a view every ``stats_update_interval_ms`` (100 ms) while stats change. The
+      simulator's ranks report at the end of each step only (its step aggregator takes one
+      report a rank a step), so this view can trail vLLM's by up to one step.
 
     The simulator must call :meth:`note_finished` when a request this api-server dispatched
     finishes (the api-server sees it in the output stream at once).
@@ -393,7 +396,6 @@ class PolicySpec:
     gate: tuple = ()                     # lockstep / FastDeploy engine batch gate: ("batch", timeout_s)
     group_gate: Callable[[], Any] | None = None   # factory of a peer_gates.GroupGate
     late_binding: bool = False           # requests wait in the policy; bind() at every step boundary
-    publish_before_step: bool = False    # ranks also publish their counts before the step (vLLM #41626)
     with_tokens: bool = False            # ranks report extra["tokens"]
     step_budget: dict | None = None      # engine-side per-step token alignment (BudgetConfig kwargs)
     lockstep: bool = False               # one of lockstep's own policies
@@ -438,13 +440,13 @@ def policy_specs(lockstep_gate_timeout_s: float = 0.1) -> dict[str, PolicySpec]:
                           "#21617/#22910: waiting*4+running, fixed scan start, +1 bump, "
                           "100 ms coordinator view, rank 0 before the first view"),
         PolicySpec("vllm", _cls(VllmDPLB), client_mode=True, snapshot_interval_s=0.1,
-                   publish_before_step=True, default_dispatch="client",
+                   default_dispatch="client",
                    source="vLLM vllm/v1/engine/core_client.py DPLBAsyncMPClient."
                           "get_core_engine_for_request (current): max(clients*inflight, "
                           "waiting+running) + waiting*6*max(0, kv-0.5) (#49204), scan start "
                           "rotates per decision (#47420), +client_count bump, view replaced "
-                          "by each coordinator message (coordinator.py, 100 ms), counts "
-                          "published before and after each step (#41626)"),
+                          "by each coordinator message (coordinator.py, 100 ms); counts "
+                          "published after each step (vLLM also before it, #41626)"),
         PolicySpec("sglang_total_requests", _cls(SglangDP, metric="requests"),
                    snapshot_interval_s=0.02, publish_filter=SglangPublishFilter,
                    source="SGLang python/sglang/srt/managers/data_parallel_controller.py "
