@@ -555,3 +555,15 @@ def test_every_command_help_reads_as_reflowed_paragraphs():
     res = _cli("config", "--help")
     assert res.exit_code == 0 and "shows what the services" in res.output
     assert not re.search(r"cluster\) it\s*\n", res.output), res.output
+
+
+@pytest.mark.parametrize("param,needle", [
+    # a string for a number was accepted and crashed mid-run ("can't multiply sequence")
+    ("vllm.kv_penalty=abc", "vllm.kv_penalty takes a finite number"),
+    ("vllm.kv_penalty=nan", "vllm.kv_penalty takes a finite number"),
+    ("waterfill.budget.min_balance=nan", "min_balance must be in [0, 1)"),   # was a str-vs-float TypeError
+    ("vllm.bogus=1", "vllm cannot take it"),
+])
+def test_simulate_refuses_a_param_of_the_wrong_kind_before_the_run(param, needle):
+    res = _cli("simulate", "--ranks", "2", "--requests", "5", "--policies", param.split(".")[0], "--param", param)
+    assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, res.output

@@ -34,7 +34,8 @@ def parse_params(items: list[str]) -> dict[str, dict[str, Any]]:
         try:
             v: Any = json.loads(value)
         except json.JSONDecodeError:
-            v = value
+            # nan / inf as numbers (refused where a policy takes a finite one), else the string
+            v = float(value) if value.strip().lower() in ("nan", "inf", "-inf", "+inf") else value
         out.setdefault(policy.strip(), {})[key.strip()] = v
     return out
 

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shared.policy.base import Assignment, RequestInfo
-from shared.policy.registry import make_policy
+from shared.policy.registry import make_policy, policy_class
 from shared.policy.waterfill import level_for
 from shared.stats import RankStats, Snapshot
 
@@ -415,6 +415,7 @@ def _lockstep(name: str, **extra: Any) -> Factory:
             kw.setdefault("max_seqs", max_seqs)
         return make_policy(name, dispatcher_id=dispatcher_id, num_api_servers=num_api_servers,
                            client_mode=client_mode, ranks=list(ranks), **kw)
+    make.policy_class = policy_class(name)   # type: ignore[attr-defined] - --param's checks (runner.py)
     return make
 
 
@@ -426,6 +427,7 @@ def _cls(cls: type, **extra: Any) -> Factory:
             kw["client_index"] = client_index
         return cls(dispatcher_id=dispatcher_id, num_api_servers=num_api_servers,
                    client_mode=client_mode, ranks=list(ranks), **kw)
+    make.policy_class = cls   # type: ignore[attr-defined] - --param's checks (runner.py)
     return make
 
 

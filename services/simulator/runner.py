@@ -43,6 +43,7 @@ def _with_params(spec: PolicySpec, params: dict[str, Any]) -> PolicySpec:
     if not params:
         return spec
     base = spec.factory
+    _check_types(spec.name, getattr(base, "policy_class", None), params)
 
     def make(**kw: Any) -> Any:   # extra constructor arguments reach the policy unchanged
         try:
@@ -50,7 +51,37 @@ def _with_params(spec: PolicySpec, params: dict[str, Any]) -> PolicySpec:
         except (TypeError, ValueError) as exc:   # an unknown key, a value of the wrong type
             given = ", ".join(f"{spec.name}.{k}={v!r}" for k, v in params.items())
             raise ValueError(f"--param {given}: {spec.name} cannot take it ({exc})") from None
+    # built once now: an unknown key is refused before the run, not in its middle
+    make(dispatcher_id="check", client_index=0, num_api_servers=1, client_mode=False, ranks=[0, 1], block_size=16)
     return dataclasses.replace(spec, factory=make)
+
+
+def _check_types(name: str, cls: type | None, params: dict[str, Any]) -> None:
+    """Each value of the kind the constructor's default is (a number where it takes a
+    number, finite): "abc" for a number was accepted and crashed mid-run in a product."""
+    import inspect
+    import math
+    if cls is None:
+        return
+    sig = inspect.signature(cls)
+    for key, value in params.items():
+        p = sig.parameters.get(key)
+        if p is None or p.default is inspect.Parameter.empty or p.default is None:
+            continue      # unknown keys: the constructor says so; no default: no kind to check
+        want = p.default
+        if isinstance(want, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(want, (int, float)):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+                and (isinstance(want, float) or float(value).is_integer())
+        elif isinstance(want, str):
+            ok = isinstance(value, str)
+        else:
+            continue
+        if not ok:
+            kind = "true or false" if isinstance(want, bool) else "a whole number" if isinstance(want, int) \
+                else "a finite number" if isinstance(want, float) else "a string"
+            raise ValueError(f"--param {name}.{key}={value!r}: {name}.{key} takes {kind} (its default is {want!r})")
 
 
 def run(*, ranks: int, api_servers: int, workload: str = "bursty", requests: int = 10000,

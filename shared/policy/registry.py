@@ -33,11 +33,15 @@ def policy_names() -> list[str]:
     return list(POLICIES)
 
 
-def make_policy(name: str, **params: Any) -> Any:
-    """Build a policy by name. ``params`` go to its constructor (e.g. num_api_servers)."""
+def policy_class(name: str) -> type:
+    """The class a policy name stands for (ValueError naming the known ones)."""
     try:
         module_name, class_name = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}") from None
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(**params)
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def make_policy(name: str, **params: Any) -> Any:
+    """Build a policy by name. ``params`` go to its constructor (e.g. num_api_servers)."""
+    return policy_class(name)(**params)
