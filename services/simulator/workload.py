@@ -257,6 +257,35 @@ def generate(kind: str, n: int, rate: float, seed: int, api_servers: int = 1,
     return Trace(t=t, prompt=prompt, output=output, api=api, name=kind, clipped=clipped)
 
 
+TRACE_KEYS = ("t", "prompt_tokens", "output_tokens", "max_tokens", "api_server")
+
+
+def _number(v: object, key: str) -> float:
+    """A JSON number (a string or a boolean was read as one: "12", true)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{key} must be a number, not {json.dumps(v)}")
+    return float(v)
+
+
+def _whole(v: object, key: str) -> int:
+    """A token count or index: a whole JSON number (10.7 was cut to 10 without a word)."""
+    x = _number(v, key)
+    if not x.is_integer():
+        raise ValueError(f"{key} must be a whole number, not {json.dumps(v)}")
+    return int(x)
+
+
+def _near_misses(d: dict) -> None:
+    """A key that is almost a known one (max_token) is a typo: its value would be ignored
+    (the cap becoming the context's room without a word). Other keys are a trace's own."""
+    import difflib
+    for key in d:
+        if key not in TRACE_KEYS:
+            close = difflib.get_close_matches(key, TRACE_KEYS, n=1, cutoff=0.8)
+            if close:
+                raise ValueError(f"{key!r} is not a trace field: did you mean {close[0]!r}?")
+
+
 def load_jsonl(path: str | Path, api_servers: int | None = 1, seed: int = 0,
                max_model_len: int = 4096) -> Trace:
     """Read ``{"t", "prompt_tokens", "output_tokens"[, "max_tokens", "api_server"]}`` per
@@ -271,11 +300,14 @@ def load_jsonl(path: str | Path, api_servers: int | None = 1, seed: int = 0,
             continue
         try:
             d = json.loads(line)
-            ts.append(float(d["t"]))
-            ps.append(int(d["prompt_tokens"]))
-            os_.append(int(d["output_tokens"]))
-            apis.append(int(d["api_server"]) if "api_server" in d else -1)
-            caps.append(int(d["max_tokens"]) if d.get("max_tokens") is not None else -1)
+            if not isinstance(d, dict):
+                raise TypeError(f"a JSON object per line, not {type(d).__name__}")
+            _near_misses(d)
+            ts.append(_number(d["t"], "t"))
+            ps.append(_whole(d["prompt_tokens"], "prompt_tokens"))
+            os_.append(_whole(d["output_tokens"], "output_tokens"))
+            apis.append(_whole(d["api_server"], "api_server") if "api_server" in d else -1)
+            caps.append(_whole(d["max_tokens"], "max_tokens") if d.get("max_tokens") is not None else -1)
         except (ValueError, KeyError, TypeError, OverflowError) as exc:   # (1e400 tokens: OverflowError)
             raise ValueError(f"{path}:{lineno}: bad trace line ({exc})") from None
         if ps[-1] < 1 or os_[-1] < 1 or not (math.isfinite(ts[-1]) and ts[-1] >= 0):
