@@ -48,7 +48,7 @@ def simulate(
     requests: int = typer.Option(10000, "--requests", min=1, help="Requests to generate."),
     rate: Optional[float] = typer.Option(None, "--rate", help=f"Mean requests/s (default {DEFAULT_RATE_PER_RANK:g} x ranks)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the trace and the modeled latencies."),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="JSONL trace: {t, prompt_tokens, output_tokens[, max_tokens, api_server]} per line (numbers; token counts whole; other keys are kept as the trace's own, a near-miss of these is refused)."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="JSONL trace: {t, prompt_tokens, output_tokens[, max_tokens, api_server]} per line (numbers; token counts whole; other keys are ignored, but a near-miss of these is refused as a typo)."),
     policies: str = typer.Option("all", "--policies", help="Comma list of policies, or 'all'."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: per-rank load, balance, TTFT CDFs."),
