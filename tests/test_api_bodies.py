@@ -193,11 +193,21 @@ def test_an_assistants_refusal_part_is_history_other_parts_are_refused():
             {"role": "user", "content": [{"type": "text", "text": "why?"}]}]
     p = parse({"messages": msgs}, "chat", served_model="m", max_model_len=512, num_ranks=1)
     assert "I can't help with that." in p.prompt_text
-    for bad in ({"role": "user", "content": [{"type": "refusal", "refusal": "no"}]},
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}):
+    # each names the part (param messages[0].content[1]) and says what is wrong with it: a
+    # text part with no text was told "only text parts are supported"
+    for bad, said in ((({"type": "refusal", "refusal": "no"}), "a refusal part is an assistant's"),
+                      (({"type": "image_url", "image_url": {"url": "data:,"}}), "not 'image_url'"),
+                      (({"type": "text"}), "a text part needs its 'text'")):
+        msg = {"role": "user", "content": [{"type": "text", "text": "see"}, bad]}
         with pytest.raises(ApiError) as err:
-            parse({"messages": [bad]}, "chat", served_model="m", max_model_len=512, num_ranks=1)
-        assert err.value.status == 400 and err.value.param == "messages[0].content"
+            parse({"messages": [msg]}, "chat", served_model="m", max_model_len=512, num_ranks=1)
+        assert err.value.status == 400 and err.value.param == "messages[0].content[1]", err.value.param
+        assert said in err.value.message, err.value.message
+    assert err.value.code is None
+    with pytest.raises(ApiError) as err:   # what is not supported says so in its code, as the Responses route's
+        parse({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "chat",
+              served_model="m", max_model_len=512, num_ranks=1)
+    assert err.value.code == "unsupported_parameter"
 
 
 def test_responses_style_text_parts_are_text_in_chat():

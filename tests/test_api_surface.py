@@ -280,3 +280,43 @@ def test_schema_lists_every_refused_field_with_its_neutral_value():
                             (CHAT_SCHEMA, REFUSED_BOTH + REFUSED_CHAT)):
         for name, _ in refused:
             assert "not supported yet" in schema["properties"][name]["description"], name
+
+
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(client, root):
+    # vLLM's return_token_ids (RL rollouts read them): it was ignored without a word
+    ids = {"extra_body": {"return_token_ids": True, "ignore_eos": True}, "max_tokens": 6, "temperature": 0}
+    c = client.completions.create(model=MODEL, prompt="hello there", **ids)
+    ch = c.choices[0].model_extra
+    assert ch["prompt_token_ids"] == encode("hello there") and len(ch["token_ids"]) == 6 == c.usage.completion_tokens
+    assert bytes(t for t in ch["token_ids"] if t < 256).decode("utf-8", "replace") == c.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt="hello there", stream=True, **ids))
+    got = [x.choices[0].model_extra for x in chunks if x.choices]
+    assert got[0]["prompt_token_ids"] == ch["prompt_token_ids"]
+    assert [t for g in got for t in g["token_ids"]] == ch["token_ids"]
+
+    msgs = [{"role": "user", "content": "hi"}]
+    want = httpx.post(root + "/tokenize", json={"messages": msgs}, timeout=10).json()["tokens"]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, **ids)
+    assert r.model_extra["prompt_token_ids"] == want and len(r.choices[0].model_extra["token_ids"]) == 6
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, stream=True, n=2, **ids))
+    assert chunks[0].model_extra["prompt_token_ids"] == want
+    assert all("prompt_token_ids" not in x.model_extra for x in chunks[1:])
+    for i in range(2):
+        streamed = [t for x in chunks for c in x.choices if c.index == i for t in c.model_extra["token_ids"]]
+        assert len(streamed) == 6
+    # without it, none of them
+    plain = client.completions.create(model=MODEL, prompt="hello there", max_tokens=2)
+    assert "token_ids" not in plain.choices[0].model_extra
+
+
+def test_a_compressed_body_is_a_415_that_says_so(root):
+    # it was read as JSON: a 400 "invalid JSON body ... invalid character (byte 0)"
+    import gzip
+    import json
+    body = gzip.compress(json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode())
+    r = httpx.post(root + "/v1/completions", content=body, timeout=10,
+                   headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert "Content-Encoding: gzip" in err["message"] and "uncompressed" in err["message"]
+    assert err["code"] == "unsupported_media_type"

@@ -70,6 +70,11 @@ class BodyLimit:
         for name, value in scope.get("headers", ()):
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
                 return await self._too_large(scope, receive, send)
+            if name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+                # (a gzip body was read as JSON: "invalid character (byte 0)")
+                resp = error_response(415, f"request bodies with Content-Encoding: {value.decode('latin-1')} are not "
+                                           "supported: send the JSON uncompressed", code="unsupported_media_type")
+                return await resp(scope, receive, send)
         seen = 0
 
         async def limited_receive() -> dict:
@@ -466,6 +471,8 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         if p.kind == "chat":
             body = {"id": rid, "object": "chat.completion", "created": created, "model": p.model,
                     "choices": [choice], "usage": _usage(p, ch), "system_fingerprint": None}
+            if p.return_token_ids:
+                body["prompt_token_ids"] = list(p.prompt)
             if "prompt_logprobs" in choice:          # vLLM puts chat's on the response
                 body["prompt_logprobs"] = choice.pop("prompt_logprobs")
             return _json(body)

@@ -176,6 +176,9 @@ class GenerationBody(Struct, kw_only=True):
     n: _int(1, MAX_CHOICES) = None
     best_of: BestOf = None
     stop_token_ids: Annotated[TokenIds, Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    return_token_ids: Annotated[bool, Meta(
+        description="vLLM's: the prompt's and the output's token ids in the response (prompt_token_ids, "
+                    "each choice's token_ids; streamed, each chunk's new ones)")] | None = None
     # informational: accepted, never change the output (docs/api.md)
     user: str | None = None
     metadata: dict[str, Any] | None = None

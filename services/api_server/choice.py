@@ -75,6 +75,8 @@ def final(p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], p
             if p.include_reasoning:
                 msg.update(reasoning_fields(thought))
         out_c: dict[str, Any] = {"index": index, "message": msg, "logprobs": lp, "finish_reason": finish}
+        if p.return_token_ids:      # (the prompt's: on the response, as vLLM puts chat's)
+            out_c["token_ids"] = list(tokens)
         if p.prompt_logprobs is not None:
             out_c["prompt_logprobs"] = prompt_logprobs(prompt, ch.prompt_lp or [], p.prompt_logprobs,
                                                        names_for(p.tok))
@@ -88,6 +90,8 @@ def final(p: ParsedRequest, ch: RequestChannel, index: int, prompt: list[int], p
     if p.echo:
         text = prompt_text + text
     out = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+    if p.return_token_ids:
+        out["prompt_token_ids"], out["token_ids"] = list(prompt), list(tokens)
     if p.prompt_logprobs is not None:
         out["prompt_logprobs"] = prompt_logprobs(prompt, ch.prompt_lp or [], p.prompt_logprobs, names_for(p.tok))
     return out
@@ -138,6 +142,8 @@ class StreamChoice:
         self.calls_begun = False                  # "auto", a checkpoint's format: a <tool_call> tag came
         self.thinking = p.reasoning.splitter() if p.reasoning is not None else None
         self.thought: list[str] = []              # the thinking so far (its tokens are counted at the end)
+        self.ids_due: list[int] | None = [] if p.return_token_ids else None   # token ids not sent yet
+        self.prompt_ids_due = p.return_token_ids and p.kind != "chat"   # a completion choice's, first chunk
 
     def _entry(self, text: str | None, finish: str | None, lp: Any = None, role: bool = False) -> dict[str, Any]:
         if self.p.kind == "chat":
@@ -161,6 +167,17 @@ class StreamChoice:
 
     def poll(self) -> list[dict[str, Any]]:
         """Entries for what arrived since the last poll (the finish entry last)."""
+        out = self._poll()
+        if self.ids_due is not None:
+            # vLLM's return_token_ids: each entry the ids that came since the last one (a
+            # token whose text is held, a stop string's start, rides on a later entry)
+            for e in out:
+                e["token_ids"], self.ids_due = self.ids_due, []
+                if self.prompt_ids_due:
+                    e["prompt_token_ids"], self.prompt_ids_due = list(self.prompt), False
+        return out
+
+    def _poll(self) -> list[dict[str, Any]]:
         p, ch, out = self.p, self.ch, []
         if self.done:
             return out
@@ -179,6 +196,8 @@ class StreamChoice:
         new = ch.tokens[self.sent:]
         lps = ch.logprobs[self.sent:self.sent + len(new)] if self.want_lp and ch.logprobs is not None else None
         self.sent += len(new)
+        if self.ids_due is not None and not p.drop_output:
+            self.ids_due += new
         if new and not p.drop_output:
             text = feed(p, self.dec, self.stopper, text_tokens(p, ch, new, self.sent), self.sent - len(new))
             lp = None

@@ -175,6 +175,8 @@ async def _complete(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway
                             "usage": usage(p, chosen, subs)}
     if p.kind == "chat":
         body["system_fingerprint"] = None
+        if p.return_token_ids:
+            body["prompt_token_ids"] = list(subs[0].prompt)
         if p.prompt_logprobs is not None:         # vLLM puts chat's on the response (one prompt)
             body["prompt_logprobs"] = choices[0].get("prompt_logprobs")
             for c in choices:
@@ -196,13 +198,17 @@ async def _sse(request: Any, p: ParsedRequest, subs: list[Sub], gw: Gateway, rid
     reason: str | None = "client_disconnected"
     metrics.inflight.inc()
 
+    prompt_ids = {"prompt_token_ids": list(subs[0].prompt)} if p.kind == "chat" and p.return_token_ids else {}
+
     def chunk(st: StreamChoice, entries: list[dict[str, Any]]) -> bytes:
+        nonlocal prompt_ids
         if p.continuous_usage:       # this chunk's choice: its prompt and its tokens so far, as vLLM counts
             pt = len(st.prompt)
             ct = 0 if p.drop_output else st.sent
             extra["usage"] = {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
+        head, prompt_ids = prompt_ids, {}     # chat's prompt ids: on the first chunk (vLLM's)
         return b"data: " + orjson.dumps({"id": rid, "object": obj, "created": created, "model": p.model,
-                                         "choices": entries, **extra}) + b"\n\n"
+                                         "choices": entries, **head, **extra}) + b"\n\n"
     try:
         while True:
             for st in streams:

@@ -47,13 +47,14 @@ class ParsedRequest:
     tok: Any = None                # a served checkpoint's tokenizer (None: bytes)
     reasoning: Any = None          # reasoning.for_prompt's: the output's thinking is told from its answer (chat)
     include_reasoning: bool = True  # the thinking is shown (as "reasoning"), not only cut from the content
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the response
 
     @property
     def multi(self) -> bool:
-        """More than one engine request answers this one, or streamed tool calls or thinking
-        (multi.py: its StreamChoice tells them from text)."""
+        """More than one engine request answers this one, or streamed tool calls, thinking
+        or token ids (multi.py: its StreamChoice tells them from text)."""
         return self.n > 1 or self.best_of > 1 or self.prompts is not None or (
-            self.stream and (self.tool_call is not None or self.reasoning is not None))
+            self.stream and (self.tool_call is not None or self.reasoning is not None or self.return_token_ids))
 
     def decoder(self) -> Any:
         """A streaming detokenizer of this request's model."""
@@ -202,7 +203,7 @@ def _prompt_tokens(prompt: Any) -> tuple[list[int], str]:
     raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
 
 
-def _part_text(part: Any, role: str, i: int) -> str:
+def _part_text(part: Any, role: str, i: int, j: int) -> str:
     """A content part's text: a text part's (``input_text`` / ``output_text`` too, the
     Responses API's names, which vLLM reads as text: clients that turn a Responses history
     into chat send them), or an assistant's refusal (OpenAI accepts the refusal parts its own
@@ -211,8 +212,16 @@ def _part_text(part: Any, role: str, i: int) -> str:
         return part.text
     if part.type == "refusal" and role == "assistant" and part.refusal is not None:
         return part.refusal
-    raise ApiError(400, f"messages[{i}].content: only text parts (and an assistant's refusal parts) are supported",
-                   param=f"messages[{i}].content")
+    where = f"messages[{i}].content[{j}]"
+    if part.type in ("text", "input_text", "output_text"):
+        raise ApiError(400, f"{where}: a {part.type} part needs its 'text'", param=where)
+    if part.type == "refusal":
+        if role != "assistant":
+            raise ApiError(400, f"{where}: a refusal part is an assistant's (this message's role is {role})",
+                           param=where)
+        raise ApiError(400, f"{where}: a refusal part needs its 'refusal'", param=where)
+    raise ApiError(400, f"{where}: only text parts (and an assistant's refusal parts) are supported, not "
+                   f"{part.type!r}", param=where, code="unsupported_parameter")
 
 
 def _template_kwargs(b: Any, tok: Any) -> tuple[dict[str, Any] | None, list[str]]:
@@ -258,7 +267,8 @@ def _messages(msgs: list[ChatMessage], calls_as_text: bool = False,
             # an assistant turn that called tools: the calls are its text in the prompt
             content = tools.render_calls(calls) if calls else ""
         if isinstance(content, list):
-            content = "\n".join(_part_text(part, m.role, i) for part in content)   # (as vLLM joins them)
+            # (joined as vLLM joins them)
+            content = "\n".join(_part_text(part, m.role, i, j) for j, part in enumerate(content))
         if calls_as_text and m.role == "assistant" and (calls or content is None):
             rendered = tools.render_calls(calls) if calls else ""
             content = "\n".join(x for x in (content, rendered) if x)
@@ -434,7 +444,8 @@ def parse(body: bytes | Any, kind: str, *, served_model: str, max_model_len: int
                          continuous_usage=continuous_usage, prompt_logprobs=plp, tok=tok,
                          reasoning=None if not (chat and reasoning_parser) else ANSWER_ONLY if g is not None
                          else reasoning.for_prompt(reasoning_parser, text),   # a grammar's output is all answer
-                         include_reasoning=not chat or b.include_reasoning is not False)
+                         include_reasoning=not chat or b.include_reasoning is not False,
+                         return_token_ids=bool(b.return_token_ids))
 
 
 # --- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------
