@@ -204,3 +204,30 @@ def test_a_leader_whose_loop_stalls_a_moment_keeps_leading(redis_url, namespace)
             svc.stop.set()
             assert await asyncio.wait_for(task, 10) == 0
     asyncio.run(go())
+
+
+def test_a_rank_that_re_forms_slowly_is_not_taken_for_wedged(redis_url, namespace):
+    # One re-formation attempt past the stall bound (a close waiting out a broken group, a
+    # gloo mesh slow to connect) made a healthy rank report itself stalled; its slot lapsed
+    # and the supervisor killed it as wedged, a second restart for one frozen peer.
+    rank = _rank(redis_url, namespace)
+    rank.stepping, rank.progress_t = True, time.monotonic()
+    bound = rank._stall_bound_s()
+
+    async def slow_formation() -> None:
+        await asyncio.sleep(bound * 2)
+
+    async def no_group() -> None:
+        return None
+
+    async def go() -> None:
+        rank.form_group, rank._leave_group = slow_formation, no_group
+        task = asyncio.create_task(rank.reform("test"))
+        await asyncio.sleep(bound * 1.5)
+        assert rank._stalled_s() is None, "a re-formation in progress counted as a stall"
+        assert await asyncio.wait_for(task, 10) is True
+        # a loop stuck outside any re-formation still stalls
+        rank.progress_t = time.monotonic() - 2 * bound
+        assert rank._stalled_s() is not None
+    rank.formed_once = True        # (a first formation would announce itself in Redis)
+    asyncio.run(go())

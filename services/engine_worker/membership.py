@@ -432,6 +432,22 @@ class GroupMembership:
         the process exits non-zero, so its supervisor replaces it (a fresh process, fresh
         torch state) instead of this one retrying in-process forever."""
         self.log.warning("engine_group_reforming", reason=why, gen=self.gen)
+        # A re-formation is progress, bounded by reform_timeout_s, however long one attempt
+        # takes (a close that waits out a broken group, a gloo mesh slow to connect): past
+        # the stall bound a healthy rank stopped renewing its slot, and the supervisor
+        # killed it as wedged. Ticked from the event loop: a loop that is stuck still stalls.
+        ticker = asyncio.create_task(self._tick_while_forming())
+        try:
+            return await self._reform(why)
+        finally:
+            ticker.cancel()
+
+    async def _tick_while_forming(self) -> None:
+        while True:
+            self.mark_progress()
+            await asyncio.sleep(self.s.heartbeat_ms / 1000)
+
+    async def _reform(self, why: str) -> bool:
         await self._leave_group()
         deadline = time.monotonic() + self.s.reform_timeout_s
         while not self.stopping.is_set():
