@@ -366,6 +366,13 @@ def test_simulate_refuses_bad_values_with_the_option_named(args, needle):
     ('{"t": 0, "prompt_tokens": 1e30, "output_tokens": 2}', "below 2^40"),
     ('{"t": 0, "prompt_tokens": 1000000000000000000000000, "output_tokens": 2}', "below 2^40"),
     ('{"t": 0, "prompt_tokens": 8, "output_tokens": 2, "max_tokens": -5}', "max_tokens must be >= 1"),
+    # each read as something else without a word: cut, coerced, or a typo's value ignored
+    ('{"t": 0, "prompt_tokens": 10.7, "output_tokens": 3}', "prompt_tokens must be a whole number"),
+    ('{"t": 0, "prompt_tokens": "12", "output_tokens": 3}', "prompt_tokens must be a number"),
+    ('{"t": 0, "prompt_tokens": true, "output_tokens": 3}', "prompt_tokens must be a number"),
+    ('{"t": "0", "prompt_tokens": 12, "output_tokens": 3}', "t must be a number"),
+    ('{"t": 0, "prompt_tokens": 12, "output_tokens": 3, "max_token": 2}', "did you mean 'max_tokens'"),
+    ('[0, 12, 3]', "a JSON object per line"),
 ])
 def test_simulate_refuses_a_trace_line_it_cannot_replay(tmp_path, text, needle):
     trace = tmp_path / "t.jsonl"
