@@ -59,6 +59,12 @@ def test_probes_answer_head_and_an_unknown_url_is_openais_error(root):
         assert r.status_code in (200, 503) and r.content == b"", path
     r = httpx.post(root + "/v1/no-such-route", json={}, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"   # OpenAI's type
+    # another kind of model's API says what this server is (it said "no route")
+    for path in ("/v1/embeddings", "/v1/audio/transcriptions", "/rerank"):
+        r = httpx.post(root + path, json={"model": MODEL, "input": "x"}, timeout=10)
+        err = r.json()["error"]
+        assert r.status_code == 404 and "is not served here" in err["message"], err
+        assert "/v1/chat/completions" in err["message"] and err["code"] == "not_found"
 
 
 def test_a_browser_on_another_origin_may_call_the_api(root):

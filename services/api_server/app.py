@@ -120,6 +120,13 @@ class RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
+# OpenAI's and vLLM's routes for other kinds of models (a client pointed here for them gets
+# a 404 that says what this server is, not "no route")
+_OTHER_APIS = (("/v1/embeddings", "embeddings"), ("/v1/audio", "audio"), ("/v1/images", "images"),
+               ("/v1/moderations", "moderations"), ("/pooling", "pooling"), ("/classify", "classification"),
+               ("/score", "scoring"), ("/v1/score", "scoring"), ("/rerank", "reranking"),
+               ("/v1/rerank", "reranking"), ("/v2/rerank", "reranking"))
+
 SCOPE_RID = "lockstep.request_id"   # where the generation handler leaves its completion's id
 SCOPE_CLIENT_RID = "lockstep.client_request_id"   # the client's usable X-Request-Id (RequestIdHeader), or None
 
@@ -212,6 +219,12 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
 
     @app.exception_handler(404)
     async def _not_found(request: HttpRequest, _: Exception) -> Response:
+        path = request.url.path.rstrip("/")
+        other = next((what for prefix, what in _OTHER_APIS if path == prefix or path.startswith(prefix + "/")), None)
+        if other is not None:   # an API of another kind of model: say so, and what is served
+            return error_response(404, f"{path} ({other}) is not served here: lockstep serves a generative model "
+                                       "through /v1/completions, /v1/chat/completions and /v1/responses",
+                                  code="not_found", error_type="invalid_request_error")
         return error_response(404, f"no route {request.method} {request.url.path}", code="not_found",
                               error_type="invalid_request_error")   # OpenAI's type for an unknown URL
 
