@@ -63,6 +63,10 @@ class Supervisor:
         self._held_pids: set[int] = set()           # engine processes seen holding a rank slot
         self._unheld_since: dict[int, float] = {}   # ... and no longer holding it, since
 
+    def say(self, msg: str) -> None:
+        """A supervisor event, with the time it happened (to lay beside the services' logs)."""
+        self.out(f"lockstep: {time.strftime('%H:%M:%S')} {msg}")
+
     def _spawn(self, role: str, args: list[str], env: dict[str, str]) -> None:
         log = self.log_dir / f"{role}.log"
         self.children.append(Child(role, self._popen(args, env, log), log, args, env))
@@ -114,21 +118,21 @@ class Supervisor:
                     return False
                 self.children.remove(c)
                 self._spares_held_until = now + 60
-                self.out(f"lockstep: hot spares keep exiting (more than {MAX_RESTARTS_PER_MIN} times in a minute); "
+                self.say(f"hot spares keep exiting (more than {MAX_RESTARTS_PER_MIN} times in a minute); "
                          f"none started for a minute, the cluster serves on without. Log: {c.log}")
                 return True
         if engine and self.spares > 0:
             self.children.remove(c)
             spare = f"a hot spare takes rank {rank}; " if rank is not None else ""
             if self._waiting_spares() >= self.spares or now < self._spares_held_until:
-                self.out(f"lockstep: {c.role} {how}; {spare}Log: {c.log}")
+                self.say(f"{c.role} {how}; {spare}Log: {c.log}")
                 return True
             self._spawn_spare()
-            self.out(f"lockstep: {c.role} {how}; {spare}started "
+            self.say(f"{c.role} {how}; {spare}started "
                      f"{self.children[-1].role} in its place. Log: {c.log}")
             return True
         c.proc = self._popen(c.args, c.env, c.log)
-        self.out(f"lockstep: {c.role} {how}; restarted it. Log: {c.log}")
+        self.say(f"{c.role} {how}; restarted it. Log: {c.log}")
         return True
 
     async def _held_slots(self, r: Any) -> dict[int, tuple[int, bytes]]:
@@ -180,7 +184,7 @@ class Supervisor:
                 continue              # starting, or a spare waiting for a slot
             since = self._unheld_since.setdefault(pid, now)
             if now - since >= WEDGED_AFTER_S:
-                self.out(f"lockstep: {c.role} (pid {pid}) still runs {now - since:.0f}s after its rank slot lapsed "
+                self.say(f"{c.role} (pid {pid}) still runs {now - since:.0f}s after its rank slot lapsed "
                          f"(frozen, stuck, or cut off from Redis); killed it to replace it. Log: {c.log}")
                 c.proc.kill()
                 self._held_pids.discard(pid)
@@ -196,13 +200,13 @@ class Supervisor:
         for c in self.children:
             if c.role.startswith("spare-") and c.proc.poll() is None and c.proc.pid in held_by_pid:
                 rank = held_by_pid[c.proc.pid]
-                self.out(f"lockstep: {c.role} serves rank {rank} now; it is engine-{rank} (log {c.log})")
+                self.say(f"{c.role} serves rank {rank} now; it is engine-{rank} (log {c.log})")
                 c.role = f"engine-{rank}"
         if time.monotonic() < self._spares_held_until:
             return
         for _ in range(self.spares - self._waiting_spares()):
             self._spawn_spare()
-            self.out(f"lockstep: started {self.children[-1].role} to keep {self.spares} hot "
+            self.say(f"started {self.children[-1].role} to keep {self.spares} hot "
                      f"spare{'s' * (self.spares != 1)} waiting. Log: {self.children[-1].log}")
 
     async def _release_rank(self, dead_pid: int) -> int | None:
@@ -237,7 +241,7 @@ class Supervisor:
             if code is None:
                 continue
             if not self._restart(c, code):
-                self.out(f"lockstep: {c.role} keeps exiting (more than {MAX_RESTARTS_PER_MIN} times in a minute); "
+                self.say(f"{c.role} keeps exiting (more than {MAX_RESTARTS_PER_MIN} times in a minute); "
                          f"stopping. Log: {c.log}")
                 self.stop()
                 return False

@@ -289,7 +289,7 @@ class LocalCluster(Supervisor):
         now = time.monotonic()
         self._redis_restarts = [t for t in self._redis_restarts if now - t < 60] + [now]
         if len(self._redis_restarts) > MAX_RESTARTS_PER_MIN:
-            self.out(f"lockstep: the embedded Redis keeps exiting (more than {MAX_RESTARTS_PER_MIN} times in a minute); "
+            self.say(f"the embedded Redis keeps exiting (more than {MAX_RESTARTS_PER_MIN} times in a minute); "
                      "stopping.")
             return False
         old.stop()
@@ -297,14 +297,14 @@ class LocalCluster(Supervisor):
         try:
             self.redis = EmbeddedRedis(port=old.port, persist_dir=old.persist_dir).start()
         except (RuntimeError, TimeoutError) as exc:
-            self.out(f"lockstep: the embedded Redis exited with code {code} and did not start again: {exc}")
+            self.say(f"the embedded Redis exited with code {code} and did not start again: {exc}")
             self.redis = old   # proc None: tried again next round
             return True
         data = (f"its data from {old.persist_dir}'s last snapshot" if snapshot else
                 f"its data lost: {old.persist_dir} had no snapshot yet (requests in flight fail with a retryable "
                 "error)" if old.persist_dir else
                 "its data lost (requests in flight fail with a retryable error; --persist keeps it)")
-        self.out(f"lockstep: the embedded Redis exited with code {code}; started it again on port {old.port}, {data}")
+        self.say(f"the embedded Redis exited with code {code}; started it again on port {old.port}, {data}")
         try:
             asyncio.run(self._publish_cluster())
         except Exception:  # noqa: BLE001 - the services work without it; status shows less
