@@ -136,6 +136,16 @@ class Keys:
         """Hash: rendezvous of the engine group (address, port, world size, generation)."""
         return f"{self.ns}:dist"
 
+    def exiting(self, host: str, pid: int) -> str:
+        """String: an engine process that gave its rank slot back and is on its way out
+        (its group closing, its interpreter ending): not wedged, whatever that takes."""
+        return f"{self.ns}:exiting:{host}:{pid}"
+
+    @property
+    def dist_open(self) -> str:
+        """String: the generation whose rendezvous still has time to be joined (PX)."""
+        return f"{self.ns}:dist:open"
+
     @property
     def wave(self) -> str:
         """Stream: wake-up notices that start wave W after all ranks paused (from the

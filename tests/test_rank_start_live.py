@@ -64,3 +64,45 @@ def test_up_replaces_a_child_that_exits_0_during_start_up(tmp_path):
     assert said and "restarted it" in said[0], said
     assert cluster.children[0].proc is not proc
     cluster.children[0].proc.wait(60)
+
+
+def test_a_late_rank_skips_a_rendezvous_about_to_close(redis_url, namespace):
+    # A replacement that read rank 0's rendezvous near the end of its wait connected as the
+    # store closed, timed out, and met the next one late the same way (four in a row, ~30 s).
+    import asyncio
+    import uuid
+
+    from services.engine_worker.membership import GroupMembership
+    from shared.bus import connect
+    from shared.logging import configure
+    from shared.settings import EngineSettings
+
+    async def main() -> None:
+        r = connect(redis_url)
+        k = Keys(namespace)
+
+        def member(rank: int) -> GroupMembership:
+            m = GroupMembership(EngineSettings(redis_url=redis_url, namespace=namespace, ranks=2, rank=rank,
+                                               collective_timeout_s=1.5), r, k, configure("engine-worker", "error"),
+                                asyncio.Event(), uuid.uuid4().hex, counters=lambda: (0, 0), adopt=lambda w, s: None)
+            m.rank = rank
+            return m
+        try:
+            rank0, late = member(0), member(1)
+            await r.set(k.rank_alive(0), rank0.token)
+            _, first = await rank0._rendezvous()
+            assert 0 < await r.pttl(k.dist_open) <= rank0._open_ms() == 1000
+            await r.delete(k.dist_open)                      # its time to be joined is up
+            joining = asyncio.create_task(late._rendezvous())
+            await asyncio.sleep(0.5)
+            assert not joining.done(), "joined a rendezvous about to close"
+            _, second = await rank0._rendezvous()            # rank 0 meets again: that one is joined
+            assert (await asyncio.wait_for(joining, 10))[1] == second != first
+            # a rank 0 from before the open key (no open_ms in the hash) is joined as before
+            await r.hdel(k.dist, "open_ms")
+            await r.hincrby(k.dist, "gen", 1)
+            await r.delete(k.dist_open)
+            assert (await asyncio.wait_for(member(1)._rendezvous(), 10))[1] == second
+        finally:
+            await r.aclose()
+    asyncio.run(main())

@@ -95,12 +95,18 @@ def test_an_engine_still_running_after_its_slot_lapsed_is_killed_and_replaced(tm
     try:
         sup._spawn("engine-1", ["engine-worker"], {})
         sup._spawn("spare-1", ["engine-worker"], {})       # waiting for a slot: never judged
-        frozen = sup.children[0].proc
-        r.hset(k.rank_info(1), mapping={"pid": frozen.pid, "token": "t1", "host": socket.gethostname()})
-        r.set(k.rank_alive(1), "t1")
+        sup._spawn("engine-0", ["engine-worker"], {})      # leaving: gave its slot back, slow to exit
+        frozen, leaving = sup.children[0].proc, sup.children[2].proc
+        for rank, proc in ((1, frozen), (0, leaving)):
+            r.hset(k.rank_info(rank), mapping={"pid": proc.pid, "token": f"t{rank}", "host": socket.gethostname()})
+            r.set(k.rank_alive(rank), f"t{rank}")
         assert sup.supervise() and frozen.poll() is None   # holds its slot: healthy
 
         r.delete(k.rank_alive(1))                          # its heartbeat stopped: the slot lapsed
+        # the other released its slot on its way out and said so first (it was killed
+        # mid-leave: its hand-over and group close take seconds)
+        r.set(k.exiting(socket.gethostname(), leaving.pid), 0, px=60_000)
+        r.delete(k.rank_alive(0))
         sup._next_look = 0.0
         sup.reap_wedged(None)                              # Redis unreadable: nothing judged across it
         assert sup.supervise() and frozen.poll() is None   # not yet: the first look without it
@@ -113,6 +119,7 @@ def test_an_engine_still_running_after_its_slot_lapsed_is_killed_and_replaced(tm
         assert sup.children[0].proc is not frozen and sup.children[0].proc.poll() is None
         assert any("engine-1 exited with code -9; restarted it" in m for m in sup.said), sup.said
         assert sup.children[1].proc.poll() is None         # the spare was left alone
+        assert leaving.poll() is None                      # and the rank on its way out
     finally:
         for c in sup.children:
             c.proc.kill()

@@ -183,12 +183,27 @@ class Supervisor:
             if pid not in self._held_pids:
                 continue              # starting, or a spare waiting for a slot
             since = self._unheld_since.setdefault(pid, now)
-            if now - since >= WEDGED_AFTER_S:
+            if now - since >= WEDGED_AFTER_S and not self._exiting(pid):
                 self.say(f"{c.role} (pid {pid}) still runs {now - since:.0f}s after its rank slot lapsed "
                          f"(frozen, stuck, or cut off from Redis); killed it to replace it. Log: {c.log}")
                 c.proc.kill()
                 self._held_pids.discard(pid)
                 self._unheld_since.pop(pid, None)
+
+    def _exiting(self, pid: int) -> bool:
+        """The process gave its slot back and is on its way out (it says so in Redis before
+        the release: a rank leaving alone, a group stop, a refusal), however long that takes;
+        True too when Redis cannot tell (never kill on a guess)."""
+        async def look() -> bool:
+            r = connect(self.url, timeout_s=2.0)
+            try:
+                return bool(await r.exists(K.Keys(self.namespace).exiting(self._host.decode(), pid)))
+            finally:
+                await r.aclose()
+        try:
+            return asyncio.run(look())
+        except Exception:  # noqa: BLE001 - unknown: judged again next round
+            return True
 
     def _waiting_spares(self) -> int:
         return sum(1 for c in self.children if c.role.startswith("spare-") and c.proc.poll() is None)

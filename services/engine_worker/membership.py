@@ -33,6 +33,9 @@ from shared.messages import FIELD, WaveNotice, encode
 from shared.redis_server import free_port
 
 
+EXITING_KEEP_MS = 120_000    # <ns>:exiting:<host>:<pid>: longer than any way out takes
+
+
 class ClaimFailed(RuntimeError):
     pass
 
@@ -295,22 +298,41 @@ class GroupMembership:
                 await self._refuse_a_live_group(old_sig.decode())
             self.gen = max(self.gen, int(old or 0)) + 1
             port = free_port()
-            await self.r.hset(self.keys.dist, mapping={
+            open_ms = self._open_ms()
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hset(self.keys.dist, mapping={
                 "addr": self.s.group_host, "port": port, "world": self.s.ranks, "token": self.token, "t": time.time(),
-                "gen": self.gen, "formed": 0, "protocol": STEP_PROTOCOL, "signature": self.signature})
+                "gen": self.gen, "formed": 0, "protocol": STEP_PROTOCOL, "signature": self.signature,
+                "open_ms": open_ms})
+            pipe.set(self.keys.dist_open, self.gen, px=open_ms)
+            await pipe.execute()
             return self.s.group_host, port
         deadline = time.monotonic() + max(self.s.collective_timeout_s, 60.0)
         while time.monotonic() < deadline and not self.stopping.is_set():
             self.mark_progress()
-            d = await self.r.hgetall(self.keys.dist)
-            rank0 = await self.r.get(self.keys.rank_alive(0))
-            if d and rank0 and d.get(b"token") == rank0 and int(d.get(b"gen", 0)) > self.gen:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hgetall(self.keys.dist)
+            pipe.get(self.keys.rank_alive(0))
+            pipe.get(self.keys.dist_open)
+            d, rank0, still_open = await pipe.execute()
+            # A rendezvous near the end of rank 0's wait is not joined: a rank that started
+            # late (a replacement) connected as rank 0 gave up, timed out, and met the next
+            # one late again (seen: four windows in a row, ~30 s). Redis's clock says when
+            # (dist:open's PX), the same for every host; a rank 0 without it is joined as before.
+            if d and rank0 and d.get(b"token") == rank0 and int(d.get(b"gen", 0)) > self.gen and \
+                    (b"open_ms" not in d or still_open == d.get(b"gen")):
                 self._check_protocol(d.get(b"protocol"))
                 self._check_signature(d.get(b"signature"))
                 self.gen = int(d[b"gen"])
                 return d[b"addr"].decode(), int(d[b"port"])
             await asyncio.sleep(0.05)
         raise TimeoutError("rank 0 did not publish the rendezvous address in time")
+
+    def _open_ms(self) -> int:
+        """How long a rendezvous may be joined: rank 0 waits collective_timeout_s for the
+        others, and a joiner needs the rest (a connect, its keys) to be in before that."""
+        wait = self.s.collective_timeout_s
+        return max(200, int((wait - min(1.5, wait / 3)) * 1000))
 
     def _check_protocol(self, published: bytes | None) -> None:
         if published is not None and published.decode() == str(STEP_PROTOCOL):
@@ -512,6 +534,9 @@ class GroupMembership:
         ``group_stopped``: the whole group stopped together; ``leaving``: this rank left alone."""
         try:
             pipe = self.r.pipeline(transaction=False)
+            # first: a supervisor that sees this process run on without its slot (closing
+            # the group, ending the interpreter) knows it is leaving, not wedged
+            pipe.set(self.keys.exiting(socket.gethostname(), os.getpid()), self.rank, px=EXITING_KEEP_MS)
             lease.release(pipe, self.keys.rank_alive(self.rank), self.token)   # only if still ours
             if self.rank == 0 and group_stopped:
                 # Only when the whole group stops: a rank 0 that leaves alone (lost the
