@@ -64,6 +64,7 @@ class HandOver:
                     pipe.xadd(self.keys.out(api), {FIELD: dumps({"k": "resume", "ids": ids})},
                               maxlen=K.OUT_STREAM_MAXLEN, approximate=True)
                 pipe.xack(inbox, K.ENGINE_GROUP, *[eid for eid, _ in raw])
+                pipe.xdel(inbox, *[eid for eid, _ in raw])
                 await pipe.execute()
             await retrying(send, log=self.log, what="hand_over", give_up_s=HAND_OVER_GIVE_UP_S)
             n += sum(len(v) for v in by_api.values())

@@ -162,6 +162,9 @@ class Outputs:
         acks = [a for a in acks if a]
         if acks:
             pipe.xack(self.keys.inbox(st.rank), K.ENGINE_GROUP, *acks)
+            # and gone: the scheduler's trim stops at the oldest entry still pending, so one
+            # long request kept every entry placed behind it, prompts and all
+            pipe.xdel(self.keys.inbox(st.rank), *acks)
         return finished
 
 
