@@ -325,6 +325,8 @@ class LocalCluster(Supervisor):
             self.redis.stop()
             self.redis = None
         local_state.remove(self.o.namespace, os.getpid())
+        from services.api_server import metrics_dir
+        metrics_dir.remove_runs(self.o.namespace, self.o.port)   # (they piled up: one per run, in /tmp)
 
 
 def port_taken(host: str, port: int) -> str | None:

@@ -41,6 +41,15 @@ def prepare(namespace: str, port: int, started: str) -> str:
     return str(path)
 
 
+def remove_runs(namespace: str, port: int) -> None:
+    """Drop the shared directories of ``namespace``'s api-servers on ``port`` (``lockstep
+    up`` as it stops: its replicas are gone, and the port is free for another run)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return   # the operator's own directory
+    for old in ROOT.glob(f"{namespace}-{port}-*"):
+        shutil.rmtree(old, ignore_errors=True)
+
+
 async def for_cluster(redis_url: str, namespace: str, port: int) -> str | None:
     """This replica's shared metrics directory, or None (per-replica metrics)."""
     env = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
