@@ -280,6 +280,8 @@ def test_status_json(sim_cluster):
     assert all(r["alive"] and r["pid"] > 0 for r in data["ranks"])
     assert data["scheduler"]["leader"]
     assert data["scheduler"]["counters"].get("dispatched", 0) >= 0
+    # what is queued, not the stream's length (the trim keeps the last entry read: "1 entries")
+    assert data["queues"]["requests_unread"] == data["queues"]["requests_unacked"] == 0, data["queues"]
     # (these were strings: "1234", "[0, 1]")
     assert isinstance(data["scheduler"]["pid"], int) and isinstance(data["scheduler"]["since"], float)
     poll_until(lambda: "live" in json.loads(sim_cluster.cli("status", "--json").stdout)["scheduler"], 30,
@@ -289,6 +291,7 @@ def test_status_json(sim_cluster):
     # Piped, the table keeps its columns whole (rich's 80 columns cut them to "wait…", "runni…")
     table = sim_cluster.cli("status")
     assert table.returncode == 0 and "waiting" in table.stdout and "running" in table.stdout, table.stdout
+    assert "requests queued 0" in " ".join(table.stdout.split()), table.stdout
     assert "…" not in table.stdout, table.stdout
 
 
@@ -329,5 +332,8 @@ def test_sigterm_stops_everything(tmp_path):
             os.kill(pid, 0)
     assert not _port_open(cluster.port)
     assert not _port_open(redis_port)
-    # The local-cluster record is gone with it.
+    # The local-cluster record is gone with it, and its api-servers' shared metrics directory
+    # (one was left in /tmp per run: hundreds on a busy machine)
     assert cluster.cli("status").returncode == 2
+    from services.api_server import metrics_dir
+    assert not list(metrics_dir.ROOT.glob(f"{cluster.namespace}-{cluster.port}-*"))

@@ -213,6 +213,24 @@ def test_drain_keeps_new_work_off_a_rank_that_finishes_its_own(cluster, client):
     assert bad.returncode == 2 and "not in this cluster" in bad.stderr
 
 
+def test_a_long_request_does_not_keep_the_entries_finished_behind_it(cluster, client):
+    # The trim stops at the oldest entry in flight: one long request kept every entry placed
+    # on its rank after it (an inbox of 140 entries with 1 pending); each is deleted as acked.
+    keys = Keys(cluster.namespace)
+    stream = client.completions.create(model=MODEL, prompt="long one", max_tokens=600, stream=True,
+                                       extra_body={"ignore_eos": True, "data_parallel_rank": 1})
+    try:
+        next(iter(stream))                            # it runs on rank 1
+        for _ in range(12):
+            complete(client, 2, data_parallel_rank=1)
+        inbox, pending = redis_get(cluster, lambda r: asyncio.gather(
+            r.xlen(keys.inbox(1)), r.xpending(keys.inbox(1), "engine")))
+        assert pending["pending"] >= 1, pending       # the long one, still in flight
+        assert inbox <= pending["pending"] + 1, (inbox, pending)
+    finally:
+        stream.close()
+
+
 # --------------------------------------------------------------------------- config
 def test_config_shows_every_service_with_cluster_values(cluster):
     cfg = cli_json(cluster, "config")
@@ -455,7 +473,8 @@ def test_status_says_how_many_dispatches_were_resumed_requests():
 
     from services.admin.status import render
     data = {"namespace": "ls", "redis_url": "redis://x", "cluster": {"ranks": 1}, "ranks": [],
-            "scheduler": {"leader": "s", "counters": {"dispatched": 12, "resumed": 3}}, "queues": {"requests": 0},
+            "scheduler": {"leader": "s", "counters": {"dispatched": 12, "resumed": 3}},
+            "queues": {"requests": 0, "requests_unread": 0, "requests_unacked": 0},
             "drained": [], "spares": [], "snapshot": None}
     con = Console(width=300, record=True)
     con.print(render(data))

@@ -10,6 +10,7 @@ import orjson
 
 from shared import keys as K
 from shared.bus import connect, redact_url
+from shared.replies import as_str, str_keys
 
 
 def _number(v: str) -> Any:
@@ -33,6 +34,24 @@ def _json_field(v: str) -> Any:
         return v
 
 
+async def request_queue(r: Any, keys: K.Keys) -> dict[str, Any]:
+    """The requests stream as the scheduler sees it: its length (the trim keeps the last
+    entry read, so never 0 once used), what it has not read (lag) and not acked yet."""
+    pipe = r.pipeline(transaction=False)
+    pipe.xlen(keys.requests)
+    pipe.xinfo_groups(keys.requests)
+    length, groups = await pipe.execute(raise_on_error=False)
+    out: dict[str, Any] = {"requests_len": length if isinstance(length, int) else 0,
+                           "scheduler_pending": 0, "scheduler_lag": 0}
+    if isinstance(groups, list):
+        for g in groups:
+            g = str_keys(g)
+            if as_str(g.get("name", "")) == K.SCHEDULER_GROUP:
+                out["scheduler_pending"] = int(g.get("pending") or 0)
+                out["scheduler_lag"] = int(g.get("lag") or 0)
+    return out
+
+
 async def collect(url: str, namespace: str) -> dict[str, Any]:
     k = K.Keys(namespace)
     r = connect(url, timeout_s=5.0)
@@ -48,9 +67,9 @@ async def collect(url: str, namespace: str) -> dict[str, Any]:
         pipe.get(k.leader)
         pipe.hgetall(k.scheduler)
         pipe.hget(k.snapshot, "json")
-        pipe.xlen(k.requests)
         pipe.smembers(k.drained)
         res = await pipe.execute(raise_on_error=False)
+        queue = await request_queue(r, k)
         spare_keys = [key async for key in r.scan_iter(match=k.spare("*"), count=1000)]
         # value: "pid@host"
         spares = sorted(int(v.split(b"@")[0]) for v in await r.mget(spare_keys) if v) if spare_keys else []
@@ -75,7 +94,7 @@ async def collect(url: str, namespace: str) -> dict[str, Any]:
         known = sorted({r["backend"] for r in ranks if r["backend"]})
         if known:
             cluster["backend"] = "/".join(known)
-    leader, sched, snap, req_len, drained = res[n * 4:]
+    leader, sched, snap, drained = res[n * 4:]
     sched = {a.decode(): b.decode() for a, b in sched.items()} if isinstance(sched, dict) else {}
     counters = orjson.loads(sched.pop("counters")) if "counters" in sched else {}
     # as JSON has them: numbers (pid, since, t) and the lists written as JSON (live, drained)
@@ -86,7 +105,9 @@ async def collect(url: str, namespace: str) -> dict[str, Any]:
         "namespace": namespace, "redis_url": redact_url(url), "cluster": cluster,
         # the lease's holder, not the hash's last writer (it outlives a dead leader)
         "scheduler": {**sched, "leader": leader.decode() if leader else None, "counters": counters},
-        "queues": {"requests": req_len if isinstance(req_len, int) else 0},
+        # requests: the stream's length (as before); unread / unacked: what is queued there
+        "queues": {"requests": queue["requests_len"], "requests_unread": queue["scheduler_lag"],
+                   "requests_unacked": queue["scheduler_pending"]},
         "drained": sorted(int(x) for x in drained) if isinstance(drained, set) else [],
         "ranks": ranks,
         "spares": spares,   # pids of hot-spare engine processes waiting to take a rank
@@ -120,7 +141,8 @@ def render(data: dict[str, Any]) -> Any:
     resumed = s["counters"].get("resumed", 0)   # placed again after their rank died: counted in dispatched too
     tail = Text(f"scheduler: leader {s.get('leader') or 'NONE'}; dispatched {s['counters'].get('dispatched', 0)}"
                 + (f" (of which {resumed} placed again after their rank died)" if resumed else "") + "; "
-                f"requests stream {data['queues']['requests']} entries; "
+                f"requests queued {data['queues']['requests_unread']} (being placed "
+                f"{data['queues']['requests_unacked']}); "
                 + (f"snapshot wave {snap['wave']} step {snap['step']} ({snap['age_s']}s ago)" if snap else "no snapshot yet")
                 + (f"; drained ranks {data['drained']}" if data["drained"] else "")
                 + f"; hot spares ready: {len(data['spares'])}")

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import typer
 
 from services.admin.cmd_common import console as out_console, JSON_OPT, NS_OPT, URL_OPT, as_str, emit_json, resolve, require_cluster
+from services.admin.status import request_queue
 from services.admin.steps_cmd import read_steps
 from shared import keys as K
 from shared.bus import decode_entries, entry_id_key
@@ -60,22 +61,6 @@ async def _ttft_samples(r: Any, keys: K.Keys, window_s: float, now: float) -> li
         pipe.hget(keys.req(rid), "t_arrival")
     arrivals = await pipe.execute()
     return [first[rid] - float(a) for rid, a in zip(ids, arrivals) if a is not None and first[rid] >= float(a)]
-
-
-async def _queues(r: Any, keys: K.Keys) -> dict[str, Any]:
-    pipe = r.pipeline(transaction=False)
-    pipe.xlen(keys.requests)
-    pipe.xinfo_groups(keys.requests)
-    length, groups = await pipe.execute(raise_on_error=False)
-    out: dict[str, Any] = {"requests_len": length if isinstance(length, int) else 0,
-                           "scheduler_pending": 0, "scheduler_lag": 0}
-    if isinstance(groups, list):
-        for g in groups:
-            g = str_keys(g)
-            if as_str(g.get("name", "")) == K.SCHEDULER_GROUP:
-                out["scheduler_pending"] = int(g.get("pending") or 0)
-                out["scheduler_lag"] = int(g.get("lag") or 0)
-    return out
 
 
 def _round(v: float | None, nd: int) -> float | None:
@@ -118,7 +103,7 @@ async def collect_frame(url: str, namespace: str, window_s: float) -> dict[str, 
     try:
         snaps = await _window_steps(r, keys, window_s, now)
         ttft = await _ttft_samples(r, keys, window_s, now)
-        queues = await _queues(r, keys)
+        queues = await request_queue(r, keys)
     finally:
         await r.aclose()
     m = measures_of(snaps, window_s)
