@@ -13,7 +13,9 @@ DESIGN §6 for that run.
   JSON document carries ``"error"``, a warning names what to check, and the exit status
   is 1. So is a run where a request failed (``"failed"``), other than one refused with a
   429 by admission control (``"rejected"``, counted among the failed: a cluster above
-  capacity doing as designed).
+  capacity doing as designed). Redis lost mid-run keeps the client-side figures (balance
+  null, an ``"error"``, exit 1); Ctrl-C reports the requests that finished
+  (``"interrupted": true``, ``"not_finished"``) and exits 130.
 
 The trace is the simulator's (services/simulator/workload.py): ``--workload
 poisson|bursty|onoff|heavy-tail|ramp|offline`` generated from ``--requests/--rate/--seed``, or ``--trace FILE``

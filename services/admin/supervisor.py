@@ -50,6 +50,7 @@ class Supervisor:
     namespace: str
     world: int
     spares: int
+    _host = socket.gethostname().encode()   # the host its engines record in their rank info
 
     def __init__(self, log_dir: Path, out: Callable[[str], Any] = print) -> None:
         self.out = out
@@ -159,8 +160,6 @@ class Supervisor:
             return {pid: rank for rank, (pid, _) in (await self._held_slots(r)).items()}
         finally:
             await r.aclose()
-
-    _host = socket.gethostname().encode()
 
     def reap_wedged(self, held_by_pid: dict[int, int] | None) -> None:
         """Kill an engine process that held a rank slot and has not for WEDGED_AFTER_S

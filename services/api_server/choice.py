@@ -103,7 +103,10 @@ def thinking_tokens(p: ParsedRequest, ch: RequestChannel, thought: str | None) -
     edges; never more than the output has."""
     if not thought:
         return 0
-    n = len(p.tok.encode(thought, add_special_tokens=False)) if p.tok is not None else len(thought.encode("utf-8", "replace"))
+    if p.tok is not None:
+        n = len(p.tok.encode(thought, add_special_tokens=False))
+    else:                                   # the byte model: a token a byte
+        n = len(thought.encode("utf-8", "replace"))
     return min(n, len(ch.tokens))
 
 
