@@ -141,8 +141,8 @@ def render(data: dict[str, Any]) -> Any:
     resumed = s["counters"].get("resumed", 0)   # placed again after their rank died: counted in dispatched too
     tail = Text(f"scheduler: leader {s.get('leader') or 'NONE'}; dispatched {s['counters'].get('dispatched', 0)}"
                 + (f" (of which {resumed} placed again after their rank died)" if resumed else "") + "; "
-                f"requests queued {data['queues']['requests_unread']} (being placed "
-                f"{data['queues']['requests_unacked']}); "
+                f"requests queued {data['queues'].get('requests_unread', 0)} (being placed "
+                f"{data['queues'].get('requests_unacked', 0)}); "
                 + (f"snapshot wave {snap['wave']} step {snap['step']} ({snap['age_s']}s ago)" if snap else "no snapshot yet")
                 + (f"; drained ranks {data['drained']}" if data["drained"] else "")
                 + f"; hot spares ready: {len(data['spares'])}")
