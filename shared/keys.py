@@ -201,5 +201,6 @@ class Keys:
             self.step_reports("{wave}", "{step}"), self.stats, self.snapshot, self.steps,  # type: ignore[arg-type]
             self.batch("{id}"), self.rank_alive("{r}"), self.rank_info("{r}"),  # type: ignore[arg-type]
             self.spare("{token}"), self.vacancies, self.dist, self.wave, self.paused, self.leader, self.incarnation, self.scheduler, self.api_alive("{api}"),
-            self.cluster, self.drained, self.dataset,
+            self.cluster, self.drained, self.dataset, self.dist_open,
+            self.exiting("{host}", "{pid}"),  # type: ignore[arg-type]
         ]
