@@ -207,6 +207,10 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(tok):
     assert set(plain.ignored) == {"reasoning_effort", "chat_template_kwargs.enable_thinking"}
     assert plain.prompt_text == parse({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "chat",
                                       served_model="m", max_model_len=4096, num_ranks=1).prompt_text
+    with pytest.raises(ApiError) as e:      # one the request sets itself is still a 400
+        parse({"model": "m", "messages": [{"role": "user", "content": "x"}],
+               "chat_template_kwargs": {"messages": []}}, "chat", served_model="m", max_model_len=4096, num_ranks=1)
+    assert e.value.param == "chat_template_kwargs"
     # a checkpoint's template: what it reads takes effect, the rest is dropped and logged
     read = _chat(tok, reasoning_effort="high", chat_template_kwargs={"enable_thinking": True})
     assert "Reasoning: high" in read.prompt_text and read.ignored == ("chat_template_kwargs.enable_thinking",)

@@ -77,7 +77,6 @@ def usage(p: ParsedRequest, chosen: list[tuple[int, Sub]], subs: list[Sub]) -> d
                           sum(s.ch.reasoning_tokens for _, s in chosen))
 
 
-
 def _visible(p: ParsedRequest) -> ParsedRequest:
     """``p`` as its choices are shown: logprobs asked only to rank candidates are hidden."""
     if not p.best_of_lp:

@@ -235,6 +235,9 @@ def _template_kwargs(b: Any, tok: Any) -> tuple[dict[str, Any] | None, list[str]
     own = {"messages", "add_generation_prompt", "tools", "documents", *getattr(tok, "special_tokens", {})}
     dropped = [f"chat_template_kwargs.{k}" for k in kwargs if k not in reads and k not in own]
     kwargs = {k: v for k, v in kwargs.items() if k in reads or k in own}   # own ones: a 400 (hf_text)
+    if kwargs and tok is None:      # the byte model's template: the same 400 as a checkpoint's
+        raise ApiError(400, f"'chat_template_kwargs': {next(iter(kwargs))!r} is set by the request itself, not by "
+                       "chat_template_kwargs", param="chat_template_kwargs")
     effort = getattr(b, "reasoning_effort", None)
     if effort is not None:
         if "reasoning_effort" not in reads:
