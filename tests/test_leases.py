@@ -231,3 +231,31 @@ def test_a_rank_that_re_forms_slowly_is_not_taken_for_wedged(redis_url, namespac
         assert rank._stalled_s() is not None
     rank.formed_once = True        # (a first formation would announce itself in Redis)
     asyncio.run(go())
+
+
+def test_a_rank_that_re_forms_wakes_the_ranks_paused_in_its_generation(redis_url, namespace):
+    # An all-gather ends at different moments on different ranks: one that had every row
+    # when a peer died paused, while the one whose collective failed re-formed without it
+    # (rank 0 retried "3/4 clients joined" for its whole reform_timeout_s, seen in CI).
+    from shared.bus import decode_entries
+    from shared.messages import WaveNotice
+
+    async def go() -> None:
+        r = connect(redis_url)
+        m = GroupMembership(EngineSettings(redis_url=redis_url, namespace=namespace, ranks=2, rank=0),
+                            r, K.Keys(namespace), configure("engine-worker", "error"), asyncio.Event(),
+                            uuid.uuid4().hex, counters=lambda: (0, 0), adopt=lambda w, s: None)
+        m.rank, m.gen, m.formed_once = 0, 3, True
+
+        async def formed() -> None:
+            return None
+        m.form_group, m._leave_group = formed, formed
+        try:
+            assert await asyncio.wait_for(m.reform("test"), 10) is True
+            entries = await r.xrange(m.keys.wave)
+            notices = [WaveNotice.from_dict(doc) for _, _, doc in decode_entries([(m.keys.wave.encode(), entries)])]
+            # what a paused rank of generation 3 reads as "re-form" (pause.py)
+            assert [(n.r, n.reform) for n in notices] == [(0, 3)], notices
+        finally:
+            await r.aclose()
+    asyncio.run(go())

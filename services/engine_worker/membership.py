@@ -454,6 +454,7 @@ class GroupMembership:
         the process exits non-zero, so its supervisor replaces it (a fresh process, fresh
         torch state) instead of this one retrying in-process forever."""
         self.log.warning("engine_group_reforming", reason=why, gen=self.gen)
+        await self._wake_paused_peers()
         # A re-formation is progress, bounded by reform_timeout_s, however long one attempt
         # takes (a close that waits out a broken group, a gloo mesh slow to connect): past
         # the stall bound a healthy rank stopped renewing its slot, and the supervisor
@@ -463,6 +464,20 @@ class GroupMembership:
             return await self._reform(why)
         finally:
             ticker.cancel()
+
+    async def _wake_paused_peers(self) -> None:
+        """Ask ranks paused in this generation to re-form too. An all-gather ends at
+        different moments on different ranks: one that had every row when a peer died
+        decided to pause while this one's collective failed, and slept through every
+        rendezvous of this one until work came (seen: rank 0 retrying 3/4 for its whole
+        reform_timeout_s). Best effort: without it a paused rank wakes on its next work."""
+        if not self.gen:
+            return    # never in a group: a replacement's own notice (announce_replacement) does it
+        try:
+            await asyncio.wait_for(self.r.xadd(self.keys.wave, {FIELD: encode(WaveNotice(-1, self.rank, self.gen))},
+                                               maxlen=K.WAVE_STREAM_MAXLEN, approximate=True), 2)
+        except Exception:  # noqa: BLE001 - Redis trouble: the paused ranks wake on their next work
+            pass
 
     async def _tick_while_forming(self) -> None:
         while True:
