@@ -25,6 +25,25 @@ pytestmark = pytest.mark.slow
 MODEL = "lockstep-moe"
 
 
+def _free_run(n: int) -> int:
+    """A port with the n - 1 after it free too: the engines bind the metrics base + 1 + rank,
+    and a base alone picked free let another process hold base + 1 (CI: metrics_port_busy)."""
+    import socket
+    for _ in range(200):
+        base = free_port()
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for i, sk in enumerate(socks):
+                sk.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+    raise RuntimeError(f"no run of {n} free ports")
+
+
 def poll(pred, timeout: float = 15.0, interval: float = 0.1):
     """Call ``pred`` until it returns a truthy value; fail after ``timeout`` seconds."""
     return poll_until(pred, timeout, "condition", interval)
@@ -33,7 +52,7 @@ def poll(pred, timeout: float = 15.0, interval: float = 0.1):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("ops")
-    metrics_base = free_port()
+    metrics_base = _free_run(4)    # the scheduler's port, then each engine's (+1 + rank) and the spare's
     saved = os.environ.get("LOCKSTEP_METRICS_PORT")
     os.environ["LOCKSTEP_METRICS_PORT"] = str(metrics_base)   # `up` passes LOCKSTEP_* through to its children
     try:
