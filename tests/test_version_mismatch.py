@@ -30,9 +30,9 @@ def test_protocol_names_the_row_layout():
     assert (STEP_PROTOCOL, FIELDS) == (1, 16)
 
 
-def _member(redis_url: str, namespace: str, rank: int, r) -> GroupMembership:
-    m = GroupMembership(EngineSettings(redis_url=redis_url, namespace=namespace, ranks=2, rank=rank,
-                                       collective_timeout_s=2, reform_timeout_s=5),
+def _member(redis_url: str, namespace: str, rank: int, r, **settings) -> GroupMembership:
+    m = GroupMembership(EngineSettings(**{"redis_url": redis_url, "namespace": namespace, "ranks": 2, "rank": rank,
+                                          "collective_timeout_s": 2, "reform_timeout_s": 5, **settings}),
                         r, K.Keys(namespace), configure("engine-worker", "error"), asyncio.Event(),
                         uuid.uuid4().hex, counters=lambda: (0, 0), adopt=lambda w, s: None)
     m.rank = rank
@@ -142,12 +142,7 @@ def test_a_rank_of_another_model_refuses_rank_0s_group(redis_url, namespace):
     from services.engine_worker.membership import GroupMismatch
 
     def member(rank: int, r, **kw) -> GroupMembership:
-        m = GroupMembership(EngineSettings(redis_url=redis_url, namespace=namespace, ranks=2, rank=rank,
-                                           collective_timeout_s=2, reform_timeout_s=5, backend="torch", **kw),
-                            r, K.Keys(namespace), configure("engine-worker", "error"), asyncio.Event(),
-                            uuid.uuid4().hex, counters=lambda: (0, 0), adopt=lambda w, s: None)
-        m.rank = rank
-        return m
+        return _member(redis_url, namespace, rank, r, backend="torch", **kw)
 
     async def main() -> None:
         r = connect(redis_url)
@@ -181,12 +176,7 @@ def test_a_replacement_rank_0_of_another_model_is_the_one_refused(redis_url, nam
         keys = K.Keys(namespace)
         try:
             def member(rank: int, seed: int) -> GroupMembership:
-                m = GroupMembership(EngineSettings(redis_url=redis_url, namespace=namespace, ranks=2, rank=rank,
-                                                   backend="torch", model="random", seed=seed),
-                                    r, keys, configure("engine-worker", "error"), asyncio.Event(),
-                                    uuid.uuid4().hex, counters=lambda: (0, 0), adopt=lambda w, s: None)
-                m.rank = rank
-                return m
+                return _member(redis_url, namespace, rank, r, backend="torch", model="random", seed=seed)
             first, rank1 = member(0, 1), member(1, 1)
             await first._rendezvous()
             await r.set(keys.rank_alive(1), rank1.token)
