@@ -125,3 +125,35 @@ def test_an_engine_still_running_after_its_slot_lapsed_is_killed_and_replaced(tm
             c.proc.kill()
             c.proc.wait(10)
         r.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_supervisor_reads_redis_over_one_kept_connection(tmp_path, redis_url, namespace):
+    # It looks at the rank slots once a second; it opened (and closed) a fresh connection
+    # for every look, and one more for each process it suspected.
+    import os
+
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    sup = Sleeping(tmp_path, redis_url, namespace)
+    mine = f"-{os.getpid()}"
+
+    def connection_ids() -> set[int]:
+        return {c["id"] for c in r.client_list() if c.get("name", "").endswith(mine)}
+    try:
+        sup._spawn("engine-0", ["engine-worker"], {})
+        others = connection_ids()                          # (earlier tests' supervisors in this process)
+        seen = set()
+        for _ in range(4):
+            sup._next_look = 0.0
+            assert sup.supervise()
+            seen |= connection_ids() - others
+        assert len(seen) == 1, seen
+        sup.stop()
+        assert connection_ids() - others == set()          # closed as the supervisor stops
+    finally:
+        for c in sup.children:
+            c.proc.kill()
+            c.proc.wait(10)
+        r.close()

@@ -19,12 +19,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Awaitable, Callable, Iterable, TypeVar
 
 from shared import keys as K
 from shared import lease
 from shared.bus import connect
 from shared.redis_server import die_with_parent
+
+T = TypeVar("T")
 
 MAX_RESTARTS_PER_MIN = 5
 # An engine process still running this long after its rank slot lapsed (read in
@@ -63,6 +65,38 @@ class Supervisor:
         self._next_look = 0.0
         self._held_pids: set[int] = set()           # engine processes seen holding a rank slot
         self._unheld_since: dict[int, float] = {}   # ... and no longer holding it, since
+        self._loop: asyncio.Runner | None = None     # the looks at Redis: one loop, one client
+        self._redis: Any = None
+
+    def _look(self, read: Callable[[Any], Awaitable[T]]) -> T:
+        """Run one read of Redis with the supervisor's client, kept between looks (it
+        opened a fresh connection every second). A failed read drops the client, and the
+        next look connects again; the error is the caller's."""
+        if self._loop is None:
+            self._loop = asyncio.Runner()
+
+        async def go() -> T:
+            if self._redis is None:
+                self._redis = connect(self.url, timeout_s=2.0)
+            return await read(self._redis)
+        try:
+            return self._loop.run(go())
+        except Exception:
+            self._close_redis()
+            raise
+
+    def _close_redis(self) -> None:
+        client, self._redis = self._redis, None
+        if self._loop is None:
+            return
+        try:
+            if client is not None:
+                self._loop.run(asyncio.wait_for(client.aclose(), 2.0))
+        except Exception:  # noqa: BLE001 - a dead connection needs no goodbye
+            pass
+        finally:
+            self._loop.close()
+            self._loop = None
 
     def say(self, msg: str) -> None:
         """A supervisor event, with the time it happened (to lay beside the services' logs)."""
@@ -105,7 +139,7 @@ class Supervisor:
         rank = None
         if engine:
             try:
-                rank = asyncio.run(self._release_rank(c.proc.pid))
+                rank = self._look(lambda r: self._release_rank(r, c.proc.pid))
             except Exception:  # noqa: BLE001 - the heartbeat TTL frees the slot anyway
                 pass
         named = c.role.removeprefix("engine-")
@@ -153,13 +187,10 @@ class Supervisor:
                 held[rank] = (int(pid or 0), token)
         return held
 
-    async def held_by_pid(self) -> dict[int, int]:
+    def held_by_pid(self) -> dict[int, int]:
         """pid → the rank it holds, for every rank slot held now."""
-        r = connect(self.url, timeout_s=2.0)
-        try:
-            return {pid: rank for rank, (pid, _) in (await self._held_slots(r)).items()}
-        finally:
-            await r.aclose()
+        held = self._look(self._held_slots)
+        return {pid: rank for rank, (pid, _) in held.items()}
 
     def reap_wedged(self, held_by_pid: dict[int, int] | None) -> None:
         """Kill an engine process that held a rank slot and has not for WEDGED_AFTER_S
@@ -193,14 +224,9 @@ class Supervisor:
         """The process gave its slot back and is on its way out (it says so in Redis before
         the release: a rank leaving alone, a group stop, a refusal), however long that takes;
         True too when Redis cannot tell (never kill on a guess)."""
-        async def look() -> bool:
-            r = connect(self.url, timeout_s=2.0)
-            try:
-                return bool(await r.exists(K.Keys(self.namespace).exiting(self._host.decode(), pid)))
-            finally:
-                await r.aclose()
+        key = K.Keys(self.namespace).exiting(self._host.decode(), pid)
         try:
-            return asyncio.run(look())
+            return bool(self._look(lambda r: r.exists(key)))
         except Exception:  # noqa: BLE001 - unknown: judged again next round
             return True
 
@@ -223,27 +249,23 @@ class Supervisor:
             self.say(f"started {self.children[-1].role} to keep {self.spares} hot "
                      f"spare{'s' * (self.spares != 1)} waiting. Log: {self.children[-1].log}")
 
-    async def _release_rank(self, dead_pid: int) -> int | None:
+    async def _release_rank(self, r: Any, dead_pid: int) -> int | None:
         """The supervisor saw an engine process die: free the slot it held now instead of
         waiting for its heartbeat to lapse, and announce it (a hot spare pops the list and
         claims the slot at once; the scheduler resumes the requests as the rank leaves).
         Returns the rank it held, if any (a spare holds none)."""
         k = K.Keys(self.namespace)
-        r = connect(self.url, timeout_s=2.0)
-        try:
-            for rank, (pid, token) in (await self._held_slots(r)).items():
-                if pid == dead_pid:
-                    # Compare-and-delete: a spare may have taken the slot since the read.
-                    if not await lease.release(r, k.rank_alive(rank), token.decode()):
-                        return None
-                    pipe = r.pipeline(transaction=True)
-                    pipe.lpush(k.vacancies, rank)
-                    pipe.ltrim(k.vacancies, 0, 63)
-                    await pipe.execute()
-                    return rank
-            return None
-        finally:
-            await r.aclose()
+        for rank, (pid, token) in (await self._held_slots(r)).items():
+            if pid == dead_pid:
+                # Compare-and-delete: a spare may have taken the slot since the read.
+                if not await lease.release(r, k.rank_alive(rank), token.decode()):
+                    return None
+                pipe = r.pipeline(transaction=True)
+                pipe.lpush(k.vacancies, rank)
+                pipe.ltrim(k.vacancies, 0, 63)
+                await pipe.execute()
+                return rank
+        return None
 
     def supervise(self) -> bool:
         """One round of the supervisor: replace the children that exited and, once a
@@ -263,7 +285,7 @@ class Supervisor:
                                                         for c in self.children):
             self._next_look = time.monotonic() + 1.0
             try:
-                held = asyncio.run(self.held_by_pid())
+                held = self.held_by_pid()
             except Exception:  # noqa: BLE001 - Redis blip: looked at again in a second
                 held = None
             self.reap_wedged(held)
@@ -289,6 +311,7 @@ class Supervisor:
                     c.proc.kill()
                     c.proc.wait(5)
         self.children = [c for c in self.children if c.proc.poll() is None]
+        self._close_redis()
 
     def wait_for_signal(self, poll_s: float = 0.2) -> int:
         """Block until SIGINT/SIGTERM/SIGHUP (then stop the children: 0) or until a child
