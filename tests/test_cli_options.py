@@ -491,10 +491,12 @@ def test_up_refuses_what_its_children_could_never_run(no_start, monkeypatch, tmp
     import torch
     if not torch.cuda.is_available():                        # ranks retried for ever, `up` waited 180 s
         monkeypatch.setenv("LOCKSTEP_DEVICE", "cuda")
-        _refused(_cli("up", "--ranks", "2"), "no CUDA device is visible", "unset LOCKSTEP_DEVICE")
+        refused = _cli("up", "--ranks", "2")
+        _refused(refused, "no CUDA device is visible", "unset LOCKSTEP_DEVICE")
+        assert "--device" not in refused.output                      # `up` has no such option
         monkeypatch.delenv("LOCKSTEP_DEVICE")
         _refused(_cli("engine", "--ranks", "0", "--redis-url", "redis://127.0.0.1:1/0", "--device", "cuda"),
-                 "no CUDA device is visible")
+                 "no CUDA device is visible", "--device cpu")
 
 
 def test_the_up_banner_inspects_its_own_namespace():

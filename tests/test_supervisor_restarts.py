@@ -157,3 +157,43 @@ def test_the_supervisor_reads_redis_over_one_kept_connection(tmp_path, redis_url
             c.proc.kill()
             c.proc.wait(10)
         r.close()
+
+
+class Stubborn(Supervisor):
+    """Children that ignore SIGTERM and SIGINT (a service stuck in its shutdown)."""
+
+    url = "redis://127.0.0.1:1/0"
+    namespace = "sup"
+    world = 1
+    spares = 0
+
+    @staticmethod
+    def _popen(args, env, log) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); signal.signal(signal.SIGINT, signal.SIG_IGN); print(1, flush=True); "
+                                 "time.sleep(120)"], stdout=subprocess.PIPE)
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_ends_every_group_within_its_one_deadline(tmp_path):
+    # `lockstep up` stops api-servers, then the scheduler, then the engines; each group had
+    # a deadline of its own, so a stop under load took 18 s of the 10 it allowed.
+    import signal
+    import time
+
+    from services.admin.supervisor import STOP_FLOOR_S
+
+    sup = Stubborn(tmp_path)
+    for role in ("api-0", "scheduler-0", "engine-0"):
+        sup._spawn(role, [], {})
+    for c in sup.children:
+        c.proc.stdout.readline()                           # its signal handlers are set
+    procs = [c.proc for c in sup.children]
+    timeout_s = 2 * STOP_FLOOR_S + 1.0
+    t0 = time.monotonic()
+    sup._stop_children([("api", signal.SIGTERM), ("scheduler", signal.SIGTERM), ("engine", signal.SIGINT)],
+                       timeout_s)
+    took = time.monotonic() - t0
+    assert all(p.poll() == -9 for p in procs)              # killed at their turn's end
+    assert took < timeout_s + 1.0, took
+    assert sup.children == []

@@ -374,7 +374,7 @@ def register(app: typer.Typer) -> None:
             resolve_backend(backend, None, namespace)
             check_backend(model or "", backend or "torch")
             check_dtype(model or "", dtype)
-            check_device(backend or "torch", device)
+            check_device(backend or "torch", device, has_flag=True)
         except (BadOption, ValueError) as exc:
             fail(str(exc))
         try:

@@ -33,6 +33,9 @@ MAX_RESTARTS_PER_MIN = 5
 # successive looks at Redis, so an outage is not taken for it) is wedged: frozen, stuck in
 # its step loop, or cut off from Redis. Killed, it is replaced like a crash.
 WEDGED_AFTER_S = 5.0
+# A stop's one deadline keeps this long for each later group of services to end cleanly
+# (an engine group's stop: its last step, its output streams' last writes).
+STOP_FLOOR_S = 2.0
 
 
 @dataclass
@@ -298,15 +301,19 @@ class Supervisor:
 
     def _stop_children(self, order: Iterable[tuple[Any, int]], timeout_s: float) -> None:
         """Signal each group of children (role prefix, signal) in turn and wait for it,
-        bounded: what is still running after ``timeout_s`` is killed."""
-        for prefix, sig in order:
+        all within ``timeout_s``: each group may run until the deadline less STOP_FLOOR_S
+        for each group after it, and what still runs then is killed. (A deadline per group
+        let a stop under load take 18 s of the 10 it allowed.)"""
+        order = list(order)
+        deadline = time.monotonic() + timeout_s
+        for i, (prefix, sig) in enumerate(order):
             group = [c for c in self.children if c.role.startswith(prefix) and c.proc.poll() is None]
             for c in group:
                 c.proc.send_signal(sig)
-            deadline = time.monotonic() + timeout_s
+            until = deadline - STOP_FLOOR_S * (len(order) - 1 - i)
             for c in group:
                 try:
-                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                    c.proc.wait(max(0.1, until - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     c.proc.kill()
                     c.proc.wait(5)

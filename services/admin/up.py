@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from services.admin import local_state
-from services.admin.supervisor import MAX_RESTARTS_PER_MIN, Child, Supervisor, tail
+from services.admin.supervisor import MAX_RESTARTS_PER_MIN, STOP_FLOOR_S, Child, Supervisor, tail
 from shared import keys as K
 from shared.bus import RedisUnreachable, check_reachable, connect, redact_url, url_with_known_nodes
 from shared.redis_server import EmbeddedRedis
@@ -81,6 +81,7 @@ class LocalCluster(Supervisor):
         self.url = ""
         self.started = time.time()
         self._redis_restarts: list[float] = []     # when the embedded Redis was started again
+        self._api_grace_s = 5.0                     # the api-servers' shutdown_grace_s
 
     @property
     def namespace(self) -> str:
@@ -110,7 +111,8 @@ class LocalCluster(Supervisor):
 
     def _start(self) -> None:
         o = self.o
-        check_options(o)   # refuse a combination the services would refuse, before starting any
+        # refuse a combination the services would refuse, before starting any
+        self._api_grace_s = check_options(o)[1].shutdown_grace_s
         if o.redis_url:
             self.url = o.redis_url
         else:
@@ -318,7 +320,9 @@ class LocalCluster(Supervisor):
     def stop(self, timeout_s: float = 10.0) -> None:
         # api-servers first (no new work), then the scheduler, then the engines (and their
         # spares), then Redis. Engines get SIGINT: the whole group stops together (SIGTERM
-        # would make each rank leave alone, handing its requests to the others).
+        # would make each rank leave alone, handing its requests to the others). The
+        # api-servers' grace for the requests in flight (+ their own close) comes first.
+        timeout_s = max(timeout_s, self._api_grace_s + 3 + 2 * STOP_FLOOR_S)
         self._stop_children([("api", signal.SIGTERM), ("scheduler", signal.SIGTERM),
                              (("engine", "spare"), signal.SIGINT)], timeout_s)
         if self.redis is not None:
@@ -384,17 +388,19 @@ def persist_problem(path: str) -> str | None:
     return None
 
 
-def check_device(backend: str, device: str) -> None:
+def check_device(backend: str, device: str, *, has_flag: bool = False) -> None:
     """Refuse ``cuda`` for torch ranks on a machine with no GPU they can see: each rank
-    would retry its start for ever while `up` waited out its ready timeout."""
+    would retry its start for ever while `up` waited out its ready timeout. ``has_flag``:
+    the command has ``--device`` (`lockstep engine`; `up` reads LOCKSTEP_DEVICE only)."""
     if backend != "torch" or device != "cuda":
         return
     import torch
 
     if not torch.cuda.is_available():
-        raise ValueError("device cuda (--device cuda or LOCKSTEP_DEVICE=cuda), but no CUDA device is visible on "
-                         "this machine: check CUDA_VISIBLE_DEVICES and the driver (nvidia-smi), or run on the CPU "
-                         "(unset LOCKSTEP_DEVICE, or --device cpu)")
+        given, instead = (("--device cuda or LOCKSTEP_DEVICE=cuda", "unset LOCKSTEP_DEVICE, or --device cpu")
+                          if has_flag else ("LOCKSTEP_DEVICE=cuda", "unset LOCKSTEP_DEVICE"))
+        raise ValueError(f"device cuda ({given}), but no CUDA device is visible on this machine: check "
+                         f"CUDA_VISIBLE_DEVICES and the driver (nvidia-smi), or run on the CPU ({instead})")
 
 
 def served_model(o: UpOptions) -> str:
