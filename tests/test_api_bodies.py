@@ -71,6 +71,17 @@ def test_bodies_that_are_not_objects_or_not_json():
         assert err.message.startswith("invalid JSON body: ") and err.param is None
 
 
+def test_a_free_form_object_nested_too_deeply_is_a_400():
+    # (metadata, a schema or a tool's parameters nested thousands deep: a RecursionError, a 500)
+    deep = "1"
+    for _ in range(10_000):
+        deep = '{"a": ' + deep + '}'
+    for field in ("metadata", "response_format"):
+        raw = ('{"model": "m", "messages": [{"role": "user", "content": "hi"}], "' + field + '": ' + deep + '}')
+        err = _err(raw.encode(), "chat")
+        assert err.status == 400 and "nested too deeply" in err.message, err.message
+
+
 def test_a_lone_surrogate_escape_is_named_as_such():
     # (on /v1/completions the decoder said "Input data was truncated")
     for kind in ("completion", "chat"):

@@ -73,6 +73,9 @@ def decode(raw: bytes | Any, typ: type[T]) -> tuple[T, tuple[str, ...]]:
             why = ("a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), which is "
                    "not text; send the character itself or its whole surrogate pair")
         raise ApiError(400, f"invalid JSON body: {why}") from None
+    except RecursionError:   # the decoders recurse per level of a free-form object (metadata, a schema)
+        raise ApiError(400, "invalid JSON body: nested too deeply (more than a few hundred levels of objects "
+                            "or lists); flatten it") from None
 
 
 def _unknown_at_top(msg: str) -> bool:
