@@ -141,6 +141,12 @@ class Keys:
         (its group closing, its interpreter ending): not wedged, whatever that takes."""
         return f"{self.ns}:exiting:{host}:{pid}"
 
+    def supervisor(self, host: str) -> str:
+        """String with PX TTL: the pid of the supervisor (`lockstep up` / `lockstep engine`)
+        on ``host``, written with each of its looks at the rank slots: a look whose write
+        Redis refuses (full, or pausing writes) judges no rank wedged."""
+        return f"{self.ns}:supervisor:{host}"
+
     @property
     def dist_open(self) -> str:
         """String: the generation whose rendezvous still has time to be joined (PX)."""
@@ -202,5 +208,5 @@ class Keys:
             self.batch("{id}"), self.rank_alive("{r}"), self.rank_info("{r}"),  # type: ignore[arg-type]
             self.spare("{token}"), self.vacancies, self.dist, self.wave, self.paused, self.leader, self.incarnation, self.scheduler, self.api_alive("{api}"),
             self.cluster, self.drained, self.dataset, self.dist_open,
-            self.exiting("{host}", "{pid}"),  # type: ignore[arg-type]
+            self.exiting("{host}", "{pid}"), self.supervisor("{host}"),  # type: ignore[arg-type]
         ]

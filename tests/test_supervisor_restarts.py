@@ -197,3 +197,46 @@ def test_a_stop_ends_every_group_within_its_one_deadline(tmp_path):
     assert all(p.poll() == -9 for p in procs)              # killed at their turn's end
     assert took < timeout_s + 1.0, took
     assert sup.children == []
+
+
+@pytest.mark.timeout(60)
+def test_no_engine_is_judged_wedged_while_redis_refuses_writes(tmp_path, redis_url, namespace, monkeypatch):
+    # A rank's heartbeat is a write: while a full Redis refuses writes every slot lapses,
+    # and an OOM of 25 s had 3 of 4 healthy ranks killed as wedged.
+    import socket
+    import time
+
+    import redis
+
+    from services.admin import supervisor as sup_mod
+    from shared.keys import Keys
+
+    monkeypatch.setattr(sup_mod, "WEDGED_AFTER_S", 0.5)
+    r, k = redis.Redis.from_url(redis_url), Keys(namespace)
+    sup = Sleeping(tmp_path, redis_url, namespace)
+    try:
+        sup._spawn("engine-1", ["engine-worker"], {})
+        engine = sup.children[0].proc
+        r.hset(k.rank_info(1), mapping={"pid": engine.pid, "token": "t1", "host": socket.gethostname()})
+        r.set(k.rank_alive(1), "t1")
+        assert sup.supervise()
+        r.delete(k.rank_alive(1))                          # its heartbeat refused: the slot lapsed
+        r.config_set("maxmemory", 1)                       # (noeviction: every write refused)
+        for _ in range(3):
+            sup._next_look = 0.0
+            assert sup.supervise()
+            time.sleep(0.3)
+        assert engine.poll() is None, sup.said             # not judged across the refusal
+        r.config_set("maxmemory", 0)
+        sup._next_look = 0.0
+        assert sup.supervise() and engine.poll() is None   # the count starts again once writes pass
+        time.sleep(0.6)
+        sup._next_look = 0.0
+        assert sup.supervise()
+        assert engine.wait(10) == -9                       # still without its slot: wedged after all
+    finally:
+        r.config_set("maxmemory", 0)
+        for c in sup.children:
+            c.proc.kill()
+            c.proc.wait(10)
+        r.close()
