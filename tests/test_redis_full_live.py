@@ -10,6 +10,7 @@ import json
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 import redis
@@ -113,8 +114,14 @@ def test_a_full_redis_that_outlasts_every_heartbeat_loses_no_stream(tmp_path, fa
         if fault == "full":
             admin.config_set("maxmemory-policy", "noeviction")
             admin.config_set("maxmemory", "1")
-            time.sleep(10.0)                            # the fault's length
+            readiness = set()                           # (a full Redis answers PING: /ready said "ready")
+            until = time.monotonic() + 10.0             # the fault's length
+            while time.monotonic() < until:
+                ready = httpx.get(cluster.api_url.removesuffix("/v1") + "/ready", timeout=5)
+                readiness.add((ready.status_code, ready.json().get("reason")))
+                time.sleep(0.5)
             admin.config_set("maxmemory", "0")
+            assert (503, "redis_unavailable") in readiness, readiness
         else:
             admin.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
             time.sleep(10.0)

@@ -268,6 +268,9 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
             await asyncio.wait_for(state["r"].ping(), 1.0)
         except Exception:  # noqa: BLE001
             return _json({"status": "unready", "reason": "redis_unavailable", "api_id": api_id}, 503)
+        if gw.redis_refusal:   # it answers reads but refused this replica's last write (full, or paused)
+            return _json({"status": "unready", "reason": "redis_unavailable", "api_id": api_id,
+                          "message": f"{gw.redis_refusal}: new requests cannot be queued"}, 503)
         body = {"api_id": api_id, "ranks": gw.num_ranks, "ranks_live": gw.ranks_live}
         if gw.ranks_live is None or gw.ranks_live < gw.num_ranks:
             return _json({"status": "unready", "reason": "engine_group_incomplete", **body,

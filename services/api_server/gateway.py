@@ -183,6 +183,7 @@ class Gateway:
         self.run_id = ""
         self.queue_wait_s: float | None = None   # a new request's wait in the scheduler's queue, as of the last heartbeat
         self.ranks_live: int | None = None        # ranks with a heartbeat, as of the last one (None: unknown)
+        self.redis_refusal: str | None = None     # why the last heartbeat's write failed (a full Redis answers PING)
         self.down_since: float | None = None      # monotonic: since when fewer than every rank has been live
         self.was_whole = False                    # the group had every rank once since this replica started
 
@@ -506,15 +507,17 @@ class Gateway:
                 for rank in range(self.num_ranks):   # one key each: their slots differ on Redis Cluster
                     pipe.exists(self.keys.rank_alive(rank))
                 _, (eta_ms, wait_ms, at), ranks, *alive = await pipe.execute()
+                self.redis_refusal = None
                 # a new request's expected wait; the head's own wait from a scheduler older than the ETA
                 self.queue_wait_s = queue_wait_s(eta_ms if eta_ms is not None else wait_ms, at, time.time())
                 if ranks and int(ranks) != self.num_ranks:
                     self.num_ranks = int(ranks)
                 else:
                     self.observe_ranks(sum(alive), time.monotonic())
-            except Exception:  # noqa: BLE001 - an outage: no figures (the requests fail on their own)
+            except Exception as exc:  # noqa: BLE001 - an outage: no figures (the requests fail on their own)
                 self.queue_wait_s = None
                 self.ranks_live = None
+                self.redis_refusal = submit_failure(exc)
             await asyncio.sleep(HEARTBEAT_S)
 
     def observe_ranks(self, live: int, now: float) -> None:
