@@ -8,7 +8,7 @@ import pytest
 from services.api_server.admission import admit, retry_after_s
 from services.api_server.errors import ApiError
 from services.api_server.gateway import QUEUE_VIEW_FRESH_S, queue_wait_s
-from services.scheduler.queue_eta import QueueEta, queue_eta_ms, queue_wait_ms
+from services.scheduler.queue_eta import QueueEta, RanksQueueEta, queue_eta_ms, queue_wait_ms
 from shared.policy.base import RequestInfo
 from shared.policy.registry import make_policy
 from shared.stats import RankStats, Snapshot
@@ -159,3 +159,28 @@ def test_hints_name_the_clusters_namespace():
     # a URL's query pasted unquoted would run in the background (&) or glob (?)
     assert admin_command("status", "p", "rediss://h:6380/0?a=1&b=2").endswith("--redis-url 'rediss://h:6380/0?a=1&b=2'")
     assert "`lockstep status -n prod` shows them" in engine_down_message(0, 4, 31.0, "prod")
+
+
+def test_the_ranks_own_queues_count_where_requests_are_placed_at_once():
+    # client dispatch (or least_score): 2 ranks each computing 1,000 prompt tokens a step of
+    # 0.1 s while requests queue there; the scheduler's own queue is empty, so the bound
+    # never refused and TTFT grew with the ranks' queues
+    eta, t, pending = RanksQueueEta(window_s=5.0), 0.0, 60_000
+    for step in range(1, 61):
+        t = step * 0.1
+        pending += 1_500                              # arrivals outrun the ranks
+        ranks = {r: RankStats(r, 0, step, waiting=40, prefill=1_000, prefill_pending=pending // 2) for r in (0, 1)}
+        ms = eta.update([Snapshot(0, step, t, ranks, seq=step)], t)
+    assert ms == pytest.approx(pending / 20_000 * 1000, rel=0.05)   # the ranks take 20,000 tokens/s
+    idle = {r: RankStats(r, 0, 61, waiting=0, prefill=500, prefill_pending=500) for r in (0, 1)}
+    assert eta.update([Snapshot(0, 61, t + 0.1, idle, seq=61)], t + 0.1) == 0   # nothing queued: no wait
+
+
+def test_a_carried_rank_row_is_not_counted_twice():
+    eta = RanksQueueEta(window_s=1.0)
+    for step in range(1, 21):                         # rank 1's report is carried: an old row again
+        ranks = {0: RankStats(0, 0, step, waiting=5, prefill=1_000, prefill_pending=10_000),
+                 1: RankStats(1, 0, 1, waiting=5, prefill=1_000, prefill_pending=10_000)}
+        ms = eta.update([Snapshot(0, step, step * 0.1, ranks, carried=(1,) if step > 1 else (), seq=step)],
+                        step * 0.1)
+    assert ms == pytest.approx(20_000 / 10_000 * 1000, rel=0.1)    # 10,000 tokens/s, not 20,000

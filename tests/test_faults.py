@@ -188,14 +188,17 @@ def test_burst_of_10000_against_a_small_queue(tmp_path):
         cluster.stop()
 
 
-def test_queue_wait_bound_answers_429_with_retry_after_and_loses_nothing(tmp_path):
+@pytest.mark.parametrize("dispatch", ["scheduler", "client"])
+def test_queue_wait_bound_answers_429_with_retry_after_and_loses_nothing(tmp_path, dispatch):
     """Above capacity the scheduler keeps requests unplaced; once the oldest has waited
     longer than max_queue_wait_s, new requests get 429 with Retry-After (the TTFT bound),
-    every accepted request still completes, and admission resumes once the queue drains."""
+    every accepted request still completes, and admission resumes once the queue drains.
+    In client-dispatch mode the queue is the ranks' own (the bound never refused there)."""
     env = {"LOCKSTEP_MAX_QUEUE_WAIT_S": "1", "LOCKSTEP_MAX_NUM_SEQS": "2"}
     os.environ.update(env)
     try:   # 2 ranks x (2 slots + 1 queued): the rest of the burst waits in the scheduler
-        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim")
+        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim",
+                                "--dispatch", dispatch)
     finally:
         for k in env:
             os.environ.pop(k, None)

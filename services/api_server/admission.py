@@ -58,7 +58,7 @@ def admit(gw: Any, settings: Any, need: int = 1) -> None:
                        param="n")
     wait, bound = gw.queue_wait_s, settings.max_queue_wait_s
     if bound > 0 and wait is not None and wait > bound:
-        raise ApiError(429, f"server busy: a new request would wait about {wait:.1f} s in the scheduler's queue, "
+        raise ApiError(429, f"server busy: a new request would wait about {wait:.1f} s queued before its prefill, "
                        f"longer than this server's max_queue_wait_s ({bound:g} s); retry after the Retry-After delay",
                        code="overloaded", headers={"Retry-After": str(retry_after_s(wait, bound))})
     if len(gw.channels) + need > settings.max_inflight:

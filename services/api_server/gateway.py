@@ -181,7 +181,7 @@ class Gateway:
         self._tasks: list[asyncio.Task] = []
         self.num_ranks = 1
         self.run_id = ""
-        self.queue_wait_s: float | None = None   # a new request's wait in the scheduler's queue, as of the last heartbeat
+        self.queue_wait_s: float | None = None   # a new request's wait before its prefill starts, as of the last heartbeat
         self.ranks_live: int | None = None        # ranks with a heartbeat, as of the last one (None: unknown)
         self.redis_refusal: str | None = None     # why the last heartbeat's write failed (a full Redis answers PING)
         self.down_since: float | None = None      # monotonic: since when fewer than every rank has been live

@@ -81,3 +81,29 @@ class QueueEta:
         if self._since is None or self._meter is None or now - self._since < self.window_s:
             return head_wait_ms
         return queue_eta_ms(waiting, self._meter.rate(now), head_wait_ms)
+
+
+class RanksQueueEta:
+    """How long a request would wait in the ranks' own queues before its prefill starts: the
+    prompt tokens waiting or mid-prefill there over the prompt tokens/s the ranks computed
+    while requests waited, by the same rules as :class:`QueueEta` (measured only while a
+    backlog lasts; nothing until it has lasted ``window_s``). Where requests are placed at
+    once (client-dispatch mode, ``least_score``, ``least_tokens``, ``round_robin``) the
+    whole queue is there and the scheduler's own ETA stays 0: the admission bound never
+    refused, and TTFT grew with the queue to ``replicas x max_inflight / capacity``.
+    Under ``waterfill`` the ranks hold about two steps: a few hundred ms."""
+
+    __slots__ = ("_eta", "_computed")
+
+    def __init__(self, window_s: float = PLACEMENT_WINDOW_S) -> None:
+        self._eta = QueueEta(window_s)
+        self._computed = 0    # prompt tokens the ranks computed, a running total
+
+    def update(self, snaps: list[Any], now: float) -> int:
+        """Take the snapshots finalized since the last call (oldest first); the ETA in ms."""
+        for snap in snaps:   # a carried rank's row is an old report again: counted once
+            self._computed += sum(r.prefill for rank, r in snap.ranks.items() if rank not in snap.carried)
+        newest = snaps[-1].ranks.values() if snaps else ()
+        queued = sum(r.waiting for r in newest)
+        self._eta.observe(self._computed, queued, now)
+        return self._eta.eta_ms(sum(r.prefill_pending for r in newest) if queued else 0, 0, now)

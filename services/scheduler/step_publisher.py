@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.scheduler.queue_eta import QueueEta, queue_wait_ms
+from services.scheduler.queue_eta import QueueEta, RanksQueueEta, queue_wait_ms
 from services.scheduler.state import SchedulerState
 from shared import keys as K
 from shared.bus import decode_entries
@@ -23,6 +23,7 @@ class StepPublisher:
         self.r, self.keys, self.state, self.log = r, keys, state, log
         self._last: bytes | str = "$"   # stats read from when this process started leading
         self._eta = QueueEta()
+        self._ranks_eta = RanksQueueEta()
 
     async def iteration(self) -> None:
         agg = self.state.agg
@@ -64,7 +65,8 @@ class StepPublisher:
             waiting, placed = int(tokens), st.counters.get("dispatched_tokens", 0)
         self._eta.observe(placed, waiting, now)
         head_ms = queue_wait_ms(st.policy, now)
-        eta_ms = self._eta.eta_ms(waiting, head_ms, now)
+        # a new request waits here unplaced, then in a rank's queue
+        eta_ms = self._eta.eta_ms(waiting, head_ms, now) + self._ranks_eta.update(snaps, now)
         pipe.hset(self.keys.snapshot, mapping={"json": blob, "seq": newest.seq, "wave": newest.wave,
                                                "step": newest.step, "t": newest.t,
                                                "queue_wait_ms": head_ms, "queue_eta_ms": eta_ms, "queue_at": now})
