@@ -12,7 +12,7 @@ import pytest
 
 from services.api_server.gateway import Gateway
 from shared import keys as K
-from shared.bus import connect
+from shared.bus import connect, decode_entries
 from shared.messages import Request, SamplingParams
 from shared.redis_server import EmbeddedRedis
 from tests.helpers import wait_until
@@ -43,6 +43,40 @@ async def _flow(url: str) -> None:
 def test_a_full_redis_is_named_in_the_503_and_the_next_request_goes_through():
     with EmbeddedRedis() as server:
         asyncio.run(_flow(server.url))
+
+
+def test_each_request_of_a_submit_is_judged_by_its_own_write():
+    """A Redis at its maxmemory takes the first writes of a submit pipeline and refuses the
+    rest (outside a transaction each lands or not on its own). Every request of the batch
+    got the 503, those that landed too: they ran for nobody, and a client's retry ran them
+    twice. Now a request is failed only where its own write was refused."""
+    async def flow(url: str, trial: int) -> tuple[int, int]:
+        keys = K.Keys(f"part{trial}")
+        r, admin = connect(url), connect(url)
+        gw = Gateway(r, keys, "apipart")
+        await gw.start()
+        try:
+            await admin.config_set("maxmemory-policy", "noeviction")
+            used = (await admin.info("memory"))["used_memory"]
+            await admin.config_set("maxmemory", str(used + 2048))   # room for a write or two
+            chs = [gw.submit(Request(f"q{i}", "apipart", list(range(200)), SamplingParams(max_tokens=4),
+                                     time.time())) for i in range(40)]
+            await asyncio.wait_for(asyncio.gather(*(c.sent.wait() for c in chs)), 10)
+            await admin.config_set("maxmemory", "0")
+            queued = {c.id for c in chs if c.entry is not None}
+            landed = {doc["id"] for _, _, doc in decode_entries([(b"x", await admin.xrange(keys.requests))])}
+            assert queued == landed, (sorted(queued), sorted(landed))
+            assert all(c.finish == "error" and "out of memory" in c.error for c in chs if c.id not in queued)
+            return len(landed), len(chs)
+        finally:
+            await admin.config_set("maxmemory", "0")
+            await gw.stop()
+            await r.aclose()
+            await admin.aclose()
+
+    with EmbeddedRedis() as server:
+        outcomes = [asyncio.run(flow(server.url, trial)) for trial in range(4)]
+    assert any(0 < landed < n for landed, n in outcomes), outcomes   # the partial case was met
 
 
 def test_a_submission_rides_out_a_short_outage():

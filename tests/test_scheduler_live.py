@@ -318,3 +318,30 @@ async def test_a_request_a_stepped_down_leader_still_holds_is_taken_back(redis_u
             await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
     finally:
         await r.aclose()
+
+
+async def test_a_reclaimed_entry_whose_dispatch_never_committed_is_placed(redis_url, namespace):
+    """A full Redis refuses the scheduler's dispatch transaction (its record, inbox write
+    and ack) after the scheduler noted the placement in memory; taken back after the
+    refusal, the entry was taken for a second copy of a placed request (in memory: placed),
+    acked and dropped: nothing had it, and its client waited out request_timeout_s. Its
+    record names no rank, so it is placed now."""
+    svc = SchedulerService(_settings(redis_url, namespace, policy="least_score"))
+    keys = svc.keys
+    r = connect(redis_url)
+    try:
+        async with running(svc):
+            # the state a refused dispatch leaves: read by the leader, unacked, no record,
+            # noted as placed on rank 0 (one transaction: the leader's blocked read misses it)
+            pipe = r.pipeline(transaction=True)
+            pipe.xadd(keys.requests, {FIELD: _req("L")})
+            pipe.xreadgroup(K.SCHEDULER_GROUP, svc.id, {keys.requests: ">"}, count=10)
+            await pipe.execute()
+            svc.state.assigned["L"] = 0
+            svc.state.redis_trouble = True      # (as the retry of a refused pipeline sets it)
+            await r.xadd(keys.requests, {FIELD: _req("wake")})   # the intake's blocked read returns
+            await wait_until(lambda: _have(r, keys, {"L", "wake"}), timeout=10)
+            assert svc.state.counters.get("duplicates", 0) == 0
+            await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
+    finally:
+        await r.aclose()

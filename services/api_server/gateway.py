@@ -307,24 +307,28 @@ class Gateway:
             return pipe
 
         try:
-            ids = await self._execute_submit(build)
+            # Outside a transaction each write lands or not on its own (a full Redis refused
+            # the second of two: the first ran while its client got a 503, and a retry ran
+            # it twice): each request is judged by its own write's reply.
+            replies = await self._execute_submit(build, raise_on_error=to_inbox)
         except Exception as exc:  # noqa: BLE001 - the requests fail, the server stays up
+            replies = [exc] * (at[-1] + 1 if at else 0)
+        refused = [r for r in (replies[i] for i in at) if isinstance(r, Exception)]
+        if refused:
             if self.metrics is not None:
                 self.metrics.redis_errors.inc()
             if self.log is not None:
-                self.log.error("submit_failed", error=str(exc), n=len(writes))
-            why = submit_failure(exc)
-            for _, _, rid, _ in writes:
-                if rid is not None and (ch := self.channels.get(rid)) is not None:
-                    ch.fail(f"could not queue the request: {why}", "redis_unavailable")
-                    ch.sent.set()
-            return
+                self.log.error("submit_failed", error=str(refused[0]), n=len(refused), of=len(writes))
         for (stream, _, rid, _), i in zip(writes, at):
-            if rid is not None and (ch := self.channels.get(rid)) is not None:
-                ch.entry = (stream, ids[i])
-                ch.sent.set()
+            if rid is None or (ch := self.channels.get(rid)) is None:
+                continue
+            if isinstance(replies[i], Exception):
+                ch.fail(f"could not queue the request: {submit_failure(replies[i])}", "redis_unavailable")
+            else:
+                ch.entry = (stream, replies[i])
+            ch.sent.set()
 
-    async def _execute_submit(self, build: Callable[[], Any]) -> list[Any]:
+    async def _execute_submit(self, build: Callable[[], Any], raise_on_error: bool = True) -> list[Any]:
         """The submit pipeline, tried again through a dropped connection or a short outage
         (a Redis restart, a failover) for ``SUBMIT_RETRY_S``: each request failed at once
         with a 503 before. A write that landed before the connection dropped is sent twice;
@@ -334,7 +338,7 @@ class Gateway:
         wait = 0.05
         while True:
             try:
-                return await build().execute()      # (a pipeline is emptied by its execute)
+                return await build().execute(raise_on_error=raise_on_error)   # (emptied by its execute)
             except SUBMIT_RETRYABLE:
                 if time.monotonic() + wait > deadline or self.closing:
                     raise

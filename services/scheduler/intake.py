@@ -148,10 +148,15 @@ class Intake:
                         req.rank = int(placed[i])
                         w.emit(pipe, req, Assignment(req.id, req.rank, reason="redispatch"), now)
                         acks.append(eid)
-                    elif req.epoch == 0 and req.id in st.assigned:
+                    elif placed is None and req.epoch == 0 and req.id in st.assigned:
                         # Placed already: a second copy of its submission (the api-server
                         # wrote it again through a dropped connection). Two copies would run
-                        # and their tokens interleave in one stream.
+                        # and their tokens interleave in one stream. Not for a reclaimed
+                        # entry: its record names no rank, so the dispatch this process
+                        # noted never committed (a full Redis refused its transaction,
+                        # which holds the record, the inbox write and the ack): place it.
+                        # It was acked as a duplicate, and its client waited out
+                        # request_timeout_s.
                         st.count("duplicates")
                         acks.append(eid)
                     elif req.rank is not None:
