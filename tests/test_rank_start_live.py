@@ -106,3 +106,27 @@ def test_a_late_rank_skips_a_rendezvous_about_to_close(redis_url, namespace):
         finally:
             await r.aclose()
     asyncio.run(main())
+
+
+def test_a_rank_starting_while_redis_is_full_waits_for_its_slot(redis_url, namespace, tmp_path):
+    # A full Redis (maxmemory reached, noeviction) refused the slot claim's SET: the rank
+    # exited with a traceback, and `lockstep up`, still starting, stopped the whole cluster.
+    r, k = redis.Redis.from_url(redis_url), Keys(namespace)
+    log = tmp_path / "rank0.log"
+    proc = None
+    try:
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("maxmemory", 1)
+        proc = _engine(redis_url, namespace, log, LOCKSTEP_RANK="0", LOCKSTEP_RANKS="1")
+        poll_until(lambda: "claim_rank" in log.read_text() or proc.poll() is not None, 60,
+                   "the rank met the refusal")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        r.config_set("maxmemory", 0)
+        poll_until(lambda: r.exists(k.rank_alive(0)) or proc.poll() is not None, 60, "the rank took its slot")
+        assert proc.poll() is None and r.exists(k.rank_alive(0)), log.read_text()[-3000:]
+    finally:
+        r.config_set("maxmemory", 0)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        r.close()

@@ -99,7 +99,11 @@ class GroupMembership:
         pipe = self.r.pipeline(transaction=False)
         for r in wanted:
             pipe.set(self.keys.rank_alive(r), self.token, nx=True, px=ttl)
-        won = [r for r, ok in zip(wanted, await pipe.execute()) if ok]
+        replies = await pipe.execute(raise_on_error=False)
+        won = [r for r, ok in zip(wanted, replies) if ok is True]
+        refused = next((e for e in replies if isinstance(e, Exception)), None)
+        if refused is not None and not won:
+            raise refused       # (a full Redis: the caller waits it out)
         if len(won) > 1:   # one slot per process: give back the others at once
             pipe = self.r.pipeline(transaction=False)
             for r in won[1:]:

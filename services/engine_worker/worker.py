@@ -98,8 +98,8 @@ class EngineWorker:
                 await self.r.aclose()
                 return 0
         else:
-            try:
-                await self.member.claim_rank()
+            try:   # (a full Redis refuses the claim's SET: waited out, as every write is)
+                await retrying(self.member.claim_rank, log=self.log, what="claim_rank", stop=self.stopping)
             except ClaimFailed as exc:
                 self.log.error("rank_claim_failed", error=str(exc))
                 return 3
@@ -111,8 +111,10 @@ class EngineWorker:
                                                         st.aborted.append, self.log,
                                                         lambda: st.redis_trouble_at(time.monotonic())))
         try:
-            self.reader.inbox_last, self.pauses.wave_last = await self.member.prepare_streams(self.reader.consumer)
-            await self.member.announce_replacement()
+            self.reader.inbox_last, self.pauses.wave_last = await retrying(
+                lambda: self.member.prepare_streams(self.reader.consumer), log=self.log, what="prepare_streams",
+                stop=self.stopping)
+            await retrying(self.member.announce_replacement, log=self.log, what="announce", stop=self.stopping)
             try:
                 await self.member.form_group()
             except VersionMismatch:
