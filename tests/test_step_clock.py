@@ -341,3 +341,29 @@ def test_a_views_mean_tokens_follow_a_trimmed_column():
     assert (view.max_tokens, view.mean_tokens) == (2048, 512.0)
     view.set_column(F_TOKENS, [1024, 1024, 1024, 1024])
     assert (view.max_tokens, view.mean_tokens) == (1024, 1024.0)
+
+
+def _small_steps(n: int):
+    def feed(clock: StepClock) -> None:
+        for k in range(n):   # decodes with a short prompt now and then: 60-200 tokens a step
+            x = 60 + (k * 37) % 140
+            clock.observe(x, 8.0 + 0.06 * x)
+    return feed
+
+
+def test_where_the_steps_stay_small_a_prefill_starts_at_once():
+    """A chat-sized workload (128-token prompts among decodes) never spreads the steps
+    enough for a fit, so the waits stayed at their milliseconds before one: every first
+    token waited 200 ms, at every load (TTFT p99 212 ms against the peers' 29). A lone
+    prefill there costs the other ranks little: no wait."""
+    clock = StepClock(2048)
+    _small_steps(40)(clock)
+    assert clock.full_step_ms == 0.0 and clock.small_steps
+    big = StepClock(2048)
+    for _ in range(40):
+        big.observe(2048, 131.0)           # an offline batch: full steps, no spread either
+    assert big.full_step_ms == 0.0 and not big.small_steps
+    ranks = _group(LONE, traffic_tokens=6_000, steps=_small_steps(40))
+    assert _first_step(ranks) == [500, 1, 0, 0]
+    early = _group(LONE, traffic_tokens=6_000, steps=_small_steps(4))   # too few steps to judge
+    assert 0 < _first_step(early)[0] < 500

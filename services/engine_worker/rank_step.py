@@ -145,9 +145,10 @@ class RankStep:
 
     def _share_worth(self, lo: float, full: float, now_s: float) -> float:
         """0 below a lone-prefill share of ``lo``, 1 from ``full``, in proportion between;
-        1 until a step is measured."""
+        1 until a step is measured, unless the steps stay small (0: the clock's
+        ``small_steps``)."""
         if self.clock.full_step_ms <= 0:
-            return 1.0
+            return 0.0 if self.clock.small_steps else 1.0
         span = max(1e-9, full - lo)
         return min(1.0, max(0.0, (self.lone_share(now_s) - lo) / span))
 

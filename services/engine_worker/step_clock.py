@@ -38,11 +38,13 @@ MIN_T = 4.0         # a shared part counts from this many standard errors
 MIN_SHARED = 0.25   # and from this share of a token's cost: the context's cost, not in the
                     # fit, fakes 1-12 % in the simulator, and a smaller part would move the
                     # lone share (rank_step.py) too little to change a decision
+SMALL_AFTER = 16    # steps with no fit, whose busiest rank computed under SMALL_SHARE of a
+SMALL_SHARE = 0.25  # full step (mean + 2 spreads): its prefills are small (``small_steps``)
 
 
 class StepClock:
     __slots__ = ("max_tokens", "_decay", "_n", "_w2", "_x", "_m", "_y", "_xx", "_mm", "_xm", "_xy", "_my",
-                 "_yy", "_fit", "_slope", "_shared")
+                 "_yy", "_fit", "_slope", "_shared", "_seen")
 
     def __init__(self, max_tokens: int, halflife_steps: float = 2000.0) -> None:
         if max_tokens < 1 or halflife_steps <= 0:
@@ -55,6 +57,7 @@ class StepClock:
         self._fit = 0.0     # the last well-conditioned estimate of a full step (0.0: none yet)
         self._slope = 0.0   # its busiest-rank ms per token
         self._shared = 0.0  # its ms per token of the ranks' mean
+        self._seen = 0      # steps observed
 
     def observe(self, tokens: int, dur_ms: float, mean_tokens: float | None = None) -> None:
         """A step whose busiest rank computed ``tokens`` (the ranks ``mean_tokens`` on
@@ -62,6 +65,7 @@ class StepClock:
         if tokens <= 0 or dur_ms <= 0:
             return
         cap = self.max_tokens
+        self._seen += 1
         x, y, k = float(min(tokens, cap)), float(dur_ms), self._decay
         m = x if mean_tokens is None else float(min(max(mean_tokens, 0.0), x))
         self._n = self._n * k + 1.0
@@ -119,3 +123,18 @@ class StepClock:
         """The estimated duration of a step in which every rank computes ``max_tokens``
         (0.0 until the steps allow a fit)."""
         return self._fit
+
+    @property
+    def small_steps(self) -> bool:
+        """No fit yet, and none likely: ``SMALL_AFTER`` steps in which the busiest rank
+        computed a small share of a full step (short prompts among decodes never spread the
+        steps enough for a fit). A lone prefill here costs the other ranks little, whatever
+        a token costs: the callers need no estimate to know a wait for company is not worth
+        its delay. (Without this the waits stayed at their milliseconds before a fit, 200 ms
+        on every first token of a chat-sized workload, at every load.)"""
+        if self._fit > 0 or self._seen < SMALL_AFTER:
+            return False
+        n = self._n
+        mx = self._x / n
+        spread = max(0.0, self._xx / n - mx * mx) ** 0.5
+        return mx + 2 * spread < SMALL_SHARE * self.max_tokens
