@@ -320,28 +320,45 @@ async def test_a_request_a_stepped_down_leader_still_holds_is_taken_back(redis_u
         await r.aclose()
 
 
-async def test_a_reclaimed_entry_whose_dispatch_never_committed_is_placed(redis_url, namespace):
+async def test_a_dispatch_redis_refused_is_placed_when_taken_back(redis_url, namespace):
     """A full Redis refuses the scheduler's dispatch transaction (its record, inbox write
-    and ack) after the scheduler noted the placement in memory; taken back after the
-    refusal, the entry was taken for a second copy of a placed request (in memory: placed),
-    acked and dropped: nothing had it, and its client waited out request_timeout_s. Its
-    record names no rank, so it is placed now."""
+    and ack) after the scheduler noted the placement in memory. Taken back after the
+    refusal, the entry was taken for a second copy of a placed request, acked and dropped:
+    nothing had it, and its client waited out request_timeout_s. The refused placement is
+    forgotten, and the entry is placed when taken back."""
+    import orjson
+
+    from shared.bus import atomic
+    from shared.policy.base import Assignment
+
     svc = SchedulerService(_settings(redis_url, namespace, policy="least_score"))
     keys = svc.keys
-    r = connect(redis_url)
+    r, admin = connect(redis_url), connect(redis_url)
     try:
         async with running(svc):
-            # the state a refused dispatch leaves: read by the leader, unacked, no record,
-            # noted as placed on rank 0 (one transaction: the leader's blocked read misses it)
+            # read by the leader and not acked (one transaction: the leader's blocked read misses it)
             pipe = r.pipeline(transaction=True)
             pipe.xadd(keys.requests, {FIELD: _req("L")})
             pipe.xreadgroup(K.SCHEDULER_GROUP, svc.id, {keys.requests: ">"}, count=10)
             await pipe.execute()
-            svc.state.assigned["L"] = 0
+            # its dispatch, as the intake builds it, refused by a full Redis
+            req = Request.from_dict(orjson.loads(_req("L")))
+            dispatch = atomic(svc.r, keys.requests)
+            svc.writer.emit(dispatch, req, Assignment("L", 0, reason="test"), time.time())
+            await admin.config_set("maxmemory-policy", "noeviction")
+            await admin.config_set("maxmemory", "1")
+            try:
+                with pytest.raises(Exception, match="maxmemory"):
+                    await svc.writer.commit(dispatch)
+            finally:
+                await admin.config_set("maxmemory", "0")
+            assert "L" not in svc.state.assigned
             svc.state.redis_trouble = True      # (as the retry of a refused pipeline sets it)
             await r.xadd(keys.requests, {FIELD: _req("wake")})   # the intake's blocked read returns
             await wait_until(lambda: _have(r, keys, {"L", "wake"}), timeout=10)
             assert svc.state.counters.get("duplicates", 0) == 0
             await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
     finally:
+        await admin.config_set("maxmemory", "0")
         await r.aclose()
+        await admin.aclose()

@@ -36,4 +36,4 @@ class BatchReleaser:
             if acks:
                 pipe.xack(self.keys.requests, K.SCHEDULER_GROUP, *acks)
             w.post_wake(pipe)
-            await pipe.execute()
+            await w.commit(pipe)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from services.scheduler.state import SchedulerState
 from shared import cancels
 from shared import keys as K
@@ -26,6 +28,7 @@ class InboxWriter:
         self.keys, self.s, self.state, self.log = keys, settings, state, log
         self.metrics: Any = None        # set once leading (services/scheduler/metrics.py)
         self._dispatching = False       # the pipeline being built writes work to an inbox
+        self._noted: list[tuple[str, int | None]] = []   # its placements: (request id, rank before)
 
     def post_wake(self, pipe: Any) -> None:
         """With the inbox writes: wake the group if it sleeps (shared/wake.py)."""
@@ -57,11 +60,32 @@ class InboxWriter:
             rec["batch"] = a.batch
         pipe.hset(self.keys.req(req.id), mapping=rec)
         pipe.expire(self.keys.req(req.id), self.s.request_record_ttl_s)
+        self._noted.append((req.id, was))
         st.assigned[req.id] = a.rank
         if len(st.assigned) > ASSIGNED_MEMORY:
             st.assigned.popitem(last=False)
         st.counters["dispatched"] += 1
         st.counters["dispatched_tokens"] += req.prompt_tokens
+
+    async def commit(self, pipe: Any) -> Any:
+        """Execute the dispatch pipeline built since the last commit (its emits and this
+        call run with no await between them). Where Redis refuses it (a full Redis: the
+        transaction's record, inbox writes and acks land all or none), the placements noted
+        for it are forgotten, so its entries, still pending, are placed when taken back.
+        Noted, they were taken for second copies of placed requests, acked and dropped:
+        nothing ran them, and each client waited out request_timeout_s. (A lost connection
+        leaves the outcome unknown: the placements stand, and a copy is dropped as before.)"""
+        noted, self._noted = self._noted, []
+        try:
+            return await pipe.execute()
+        except ResponseError:
+            assigned = self.state.assigned
+            for rid, was in reversed(noted):
+                if was is None:
+                    assigned.pop(rid, None)
+                else:
+                    assigned[rid] = was
+            raise
 
     def release(self, pipe: Any, a: Assignment, now: float) -> bytes | None:
         """Emit an unplaced request the policy released; its stream entry id (to ack), or None."""

@@ -148,15 +148,10 @@ class Intake:
                         req.rank = int(placed[i])
                         w.emit(pipe, req, Assignment(req.id, req.rank, reason="redispatch"), now)
                         acks.append(eid)
-                    elif placed is None and req.epoch == 0 and req.id in st.assigned:
+                    elif req.epoch == 0 and req.id in st.assigned:
                         # Placed already: a second copy of its submission (the api-server
                         # wrote it again through a dropped connection). Two copies would run
-                        # and their tokens interleave in one stream. Not for a reclaimed
-                        # entry: its record names no rank, so the dispatch this process
-                        # noted never committed (a full Redis refused its transaction,
-                        # which holds the record, the inbox write and the ack): place it.
-                        # It was acked as a duplicate, and its client waited out
-                        # request_timeout_s.
+                        # and their tokens interleave in one stream.
                         st.count("duplicates")
                         acks.append(eid)
                     elif req.rank is not None:
@@ -202,7 +197,7 @@ class Intake:
         w.post_wake(pipe)
         if trace.ENABLED:
             trace.mark("sched_sent")
-        await pipe.execute()
+        await w.commit(pipe)
 
     async def _ranks_of_unknown_aborts(self, entries: list[tuple[bytes, bytes, dict[str, Any]]]) -> dict[str, int]:
         """The rank of each aborted request this leader neither placed nor holds: one placed
