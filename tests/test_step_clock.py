@@ -169,7 +169,7 @@ LONE = BudgetConfig(max_tokens=2048, min_balance=0.9, max_capped_steps=32, max_d
                     lone_share=0.2, lone_share_full=0.3, lone_tau_s=10.0)
 
 
-def _group(cfg: BudgetConfig, traffic_tokens: int, steps=None) -> list[RankStep]:
+def _group(cfg: BudgetConfig, traffic_tokens: int, steps=None, new_tokens: int = 500) -> list[RankStep]:
     """4 ranks that measured 8 ms + 0.06 ms a token (a full step 131 ms; ``steps`` feeds
     another device's steps to each rank's clock); rank 1 decodes.
     Each rank has seen ``traffic_tokens`` of prompts arrive just now (served since), and the
@@ -192,7 +192,7 @@ def _group(cfg: BudgetConfig, traffic_tokens: int, steps=None) -> list[RankStep]
     ranks[1].core.add(dec)
     ranks[1].core.postprocess(ranks[1].core.schedule(), {"1-dec": 5}, 0.0)
     _meet(ranks, 0.0)   # one step: every rank counts the group's arrivals
-    new = Sequence("0-new", list(range(500)), SamplingParams(max_tokens=16))
+    new = Sequence("0-new", list(range(new_tokens)), SamplingParams(max_tokens=16))
     ranks[0].core.add(new)
     ranks[0].arrived(new, 0.0)
     return ranks
@@ -367,3 +367,6 @@ def test_where_the_steps_stay_small_a_prefill_starts_at_once():
     assert _first_step(ranks) == [500, 1, 0, 0]
     early = _group(LONE, traffic_tokens=6_000, steps=_small_steps(4))   # too few steps to judge
     assert 0 < _first_step(early)[0] < 500
+    # a big prefill among small steps still waits its short wait for company, paced
+    big_one = _group(LONE, traffic_tokens=6_000, steps=_small_steps(40), new_tokens=1500)
+    assert 0 < _first_step(big_one)[0] < 1500

@@ -25,7 +25,7 @@ from services.engine_worker.step_view import (BUSY_FLAG, LULL_FLAG, TAIL_FLAG, F
                                              F_ARRIVED_N, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_LONGEST, F_MUST,
                                              F_QUEUED, F_RELEASE, F_TOKENS, Action, StepView)
 from services.engine_worker.sequence import Sequence
-from services.engine_worker.step_clock import StepClock
+from services.engine_worker.step_clock import SMALL_SHARE, StepClock
 from services.engine_worker.step_budget import (BudgetConfig, allowed, allowed_all, balanced_budget, lull_budget,
                                                 must_tokens, shared_budget, tail_budget, tail_share, trim_plan,
                                                 TAIL_MAX_FILL, TAIL_MIN_FILL)
@@ -123,12 +123,18 @@ class RankStep:
         rate = self.lull_rate.rate(now_s)   # 0 until a view counted an arrival (then quiet is inf: no lull)
         return quiet > 0 and rate > 0 and quiet * rate >= cfg.lull_prompts * self.mean_prompt
 
-    def _company_worth(self, now_s: float) -> float:
+    def _company_worth(self, now_s: float, queued: int) -> float:
         """How much of the wait for company is in force: none while prefilling every prompt
         alone would take under ``lone_share`` of the group's time (a lone prefill then
         delays the decodes little, and waiting only delays its first token), all of it from
-        ``lone_share_full``, in proportion between; all of it until a step is measured."""
+        ``lone_share_full``, in proportion between; all of it until a step is measured,
+        but none for a small prefill (``queued`` tokens) where the steps stay small and so
+        no step can be measured (the clock's ``small_steps``: chat-sized prompts among
+        decodes; every first token waited the 200 ms meant for the first steps)."""
         cfg = self.budget
+        if (self.clock.full_step_ms <= 0 and self.clock.small_steps
+                and queued < SMALL_SHARE * self.clock.max_tokens):
+            return 0.0
         return self._share_worth(cfg.lone_share, cfg.lone_share_full, now_s)
 
     def _growth_worth(self, now_s: float) -> float:
@@ -145,10 +151,9 @@ class RankStep:
 
     def _share_worth(self, lo: float, full: float, now_s: float) -> float:
         """0 below a lone-prefill share of ``lo``, 1 from ``full``, in proportion between;
-        1 until a step is measured, unless the steps stay small (0: the clock's
-        ``small_steps``)."""
+        1 until a step is measured."""
         if self.clock.full_step_ms <= 0:
-            return 0.0 if self.clock.small_steps else 1.0
+            return 1.0
         span = max(1e-9, full - lo)
         return min(1.0, max(0.0, (self.lone_share(now_s) - lo) / span))
 
@@ -219,7 +224,7 @@ class RankStep:
                 grown *= self._growth_worth(now_s)
             delay = max(lo, grown)
             if cfg.lone_share > 0:
-                delay *= self._company_worth(now_s)
+                delay *= self._company_worth(now_s, queued)
                 # nothing to wait for beside decodes: it runs now, backlog or not (forced)
                 self.calm = delay == 0 and not self.group_quiet
             if self.group_idle:   # nobody decodes, nobody else prefills: a lone step delays no one

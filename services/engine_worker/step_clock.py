@@ -128,10 +128,10 @@ class StepClock:
     def small_steps(self) -> bool:
         """No fit yet, and none likely: ``SMALL_AFTER`` steps in which the busiest rank
         computed a small share of a full step (short prompts among decodes never spread the
-        steps enough for a fit). A lone prefill here costs the other ranks little, whatever
+        steps enough for a fit). A small prefill here costs the other ranks little, whatever
         a token costs: the callers need no estimate to know a wait for company is not worth
-        its delay. (Without this the waits stayed at their milliseconds before a fit, 200 ms
-        on every first token of a chat-sized workload, at every load.)"""
+        its delay (rank_step.py). (Without this the waits stayed at their milliseconds
+        before a fit, 200 ms on every first token of a chat-sized workload, at every load.)"""
         if self._fit > 0 or self._seen < SMALL_AFTER:
             return False
         n = self._n
