@@ -3,9 +3,10 @@
 An engine group short of a rank for longer than ``engine_down_timeout_s`` (it steps only
 with all of them) answers 503 (code ``engine_unavailable``) at once: nothing could serve
 the request. Then two bounds, both settings of the api-server: ``max_queue_wait_s`` —
-while a new request would wait longer than this unplaced (the scheduler's estimate, the
-requests ahead over the rate the ranks take them, published with each snapshot and read
-once a second by the replica's heartbeat), it is refused; and ``max_inflight`` — requests
+while a new request would wait longer than this before its prefill starts (the scheduler's
+estimate: the prompt tokens ahead of it, unplaced and in the ranks' own queues, over the
+rate the ranks take them, published with each snapshot and read once a second by the
+replica's heartbeat; services/scheduler/queue_eta.py), it is refused; and ``max_inflight`` — requests
 in flight on this replica.
 Above capacity the first bound holds TTFT near ``max_queue_wait_s`` plus the prefill, where
 the second alone would let it grow to ``replicas x max_inflight / capacity``."""
