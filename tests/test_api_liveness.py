@@ -58,3 +58,25 @@ def test_requests_aborted_for_a_silent_api_server_say_why():
     _abort_owned_by(core, {"gone"}, aborted.append, _Log(), 5.0)
     assert [s.id for s in aborted] == ["x"] and core.get("y") is not None
     assert aborted[0].error == "aborted on its rank: the api-server serving it stopped answering for over 5 s"
+
+
+def test_a_rank_waiting_in_the_collective_counts_its_refused_beats_as_redis_trouble():
+    # (CI, a full Redis for 10 s: one rank's step loop had written its step just before
+    # the fault and waited in the collective for its peer, stuck replaying its own writes;
+    # with no round trip of its own it saw no trouble, took the api-server's lapsed alive
+    # key for a dead api-server, and aborted its streams)
+    from services.engine_worker.batch_gate import BatchGate
+    from services.engine_worker.block_manager import BlockManager
+    from services.engine_worker.engine_scheduler import EngineScheduler
+    from services.engine_worker.rank_state import RankState
+    from services.engine_worker.rank_step import RankStep
+
+    core = EngineScheduler(BlockManager(64, 16), max_num_batched_tokens=256, max_num_seqs=8, max_model_len=512)
+    gate = BatchGate(rank=0, timeout_s=0.5)
+    st = RankState(0, core, gate, RankStep(0, core, gate, None))
+    assert st.redis_trouble_at(100.0) == float("-inf")
+    st.note_beat_failed(104.0)                       # the liveness thread's heartbeat was refused
+    assert st.redis_trouble_at(105.0) == 104.0
+    lv = ApiLiveness(grace_s=5.0)
+    for t in (101.0, 103.0, 105.0, 107.0, 108.5):    # the key lapsed at 100; refused beats until 104
+        assert lv.observe(t, {"a": False}, st.redis_trouble_at(t)) == set(), t

@@ -78,6 +78,28 @@ def test_heartbeat_never_overwrites_a_new_owner(redis_url, namespace):
         r.close()
 
 
+def test_a_refused_beat_is_reported_to_the_rank(namespace):
+    """A full Redis refuses the liveness thread's beat: the rank hears of it (its api-server
+    watch discounts lapsed alive keys then, even while its step loop makes no round trip)."""
+    from shared.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        rank = _rank(server.url, namespace)
+        admin = redis.Redis.from_url(server.url)
+        refused = threading.Event()
+        stop = rank.start_liveness(lambda now: refused.set())
+        try:
+            _wait(lambda: admin.hget(rank.keys.rank_info(0), "token") == rank.token.encode(), 5, "first beat")
+            assert not refused.is_set()
+            admin.config_set("maxmemory-policy", "noeviction")
+            admin.config_set("maxmemory", "1")
+            assert refused.wait(5), "a refused beat was not reported"
+        finally:
+            admin.config_set("maxmemory", "0")
+            stop()
+            admin.close()
+
+
 def test_wedged_rank_loses_its_slot_and_fails_the_health_check(redis_url, namespace, monkeypatch):
     monkeypatch.setenv("LOCKSTEP_REDIS_URL", redis_url)
     monkeypatch.setenv("LOCKSTEP_NAMESPACE", namespace)

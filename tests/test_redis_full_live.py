@@ -7,8 +7,11 @@ elsewhere; without, the group re-formed from restarts). Real processes, real Red
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -134,6 +137,69 @@ def test_a_full_redis_that_outlasts_every_heartbeat_loses_no_stream(tmp_path, fa
             assert texts[i] == sim_expected_text(encode(f"stream {i}"), want, seed=i), i
     finally:
         admin.execute_command("CLIENT", "UNPAUSE")     # first: a paused server would hold the next write
+        admin.config_set("maxmemory", "0")
+        admin.close()
+        cluster.stop()
+
+
+def test_a_rank_waiting_in_the_collective_through_a_full_redis_aborts_nothing(tmp_path):
+    """A full Redis while one rank's step loop waits in the collective for its peer (CI:
+    the peer's write of the step was refused just after this rank's went through). That
+    rank made no round trip of its own, so it saw no Redis trouble, took the api-server's
+    lapsed alive key for a dead api-server and aborted its streams: clients read "the
+    api-server serving it stopped answering". Its refused heartbeats now say Redis is at
+    fault. Here the peer is frozen (SIGSTOP) a moment before the fault, which puts the
+    other rank in the collective for certain."""
+    cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim", "--spares", "0")
+    admin = redis.Redis.from_url(cluster.redis_url)
+    frozen = _ranks(cluster)[0]
+    try:
+        client = openai.OpenAI(base_url=cluster.api_url, api_key="x", max_retries=0, timeout=150)
+        client.completions.create(model="lockstep-moe", prompt="warm", max_tokens=2)
+        n, want = 4, 600
+        started = threading.Barrier(n + 1, timeout=60)
+        texts: dict[int, str] = {}
+        errors: list[BaseException] = []
+
+        def stream(i: int) -> None:
+            out, first = [], True
+            try:
+                for c in client.completions.create(model="lockstep-moe", prompt=f"stream {i}", max_tokens=want,
+                                                   seed=i, stream=True, extra_body={"ignore_eos": True}):
+                    if c.choices:
+                        out.append(c.choices[0].text)
+                        if first:
+                            first = False
+                            started.wait()
+                texts[i] = "".join(out)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                errors.append(exc)
+                if first:
+                    started.abort()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        started.wait()                                  # every stream has tokens, on both ranks
+        os.kill(frozen, signal.SIGSTOP)
+        time.sleep(1.0)                                 # rank 1 ends its step and waits in the collective
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", "1")
+        time.sleep(10.0)                                # the fault's length: longer than the alive keys live
+        admin.config_set("maxmemory", "0")
+        os.kill(frozen, signal.SIGCONT)
+        for t in threads:
+            t.join(150)
+        assert not any(t.is_alive() for t in threads), "a stream hung"
+        assert not errors, errors
+        for i in range(n):
+            assert texts[i] == sim_expected_text(encode(f"stream {i}"), want, seed=i), i
+        # (the api-server may resume an aborted request before the abort's error reaches it:
+        # the rank's log says whether it took the live api-server for dead)
+        log = (Path(cluster.state_dir) / cluster.namespace / "logs" / "engine-1.log").read_text()
+        assert "aborted_requests_of_dead_api_server" not in log
+    finally:
+        os.kill(frozen, signal.SIGCONT)
         admin.config_set("maxmemory", "0")
         admin.close()
         cluster.stop()

@@ -5,9 +5,10 @@ the requests of an api-server whose key is gone (nobody would read their tokens)
 can also lapse while the api-server is alive: a Redis failover or restart that outlasts
 the TTL. So a missing key only counts once it has stayed missing for ``grace_s`` of
 successful checks; seen again, the api-server is forgiven. A check that could not reach
-Redis says nothing, and neither does one made while this rank's own writes are refused (a
-Redis at maxmemory, or failing over, still answers reads: the api-servers' refreshes are
-refused the same way), within ``grace_s`` of its last refused write: it forgives all."""
+Redis says nothing, and neither does one made while this rank's own writes (its step's or
+its heartbeat's: rank_state.py) are refused (a Redis at maxmemory, or failing over, still
+answers reads: the api-servers' refreshes are refused the same way), within ``grace_s`` of
+its last refused write: it forgives all."""
 
 from __future__ import annotations
 

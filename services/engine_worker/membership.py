@@ -187,7 +187,7 @@ class GroupMembership:
         self.log.error("rank_slot_lost", holder=str(holder)[:40])
         os._exit(5)
 
-    def start_liveness(self) -> Callable[[], None]:
+    def start_liveness(self, on_beat_failed: Callable[[float], None] = lambda now: None) -> Callable[[], None]:
         """Renew this rank's alive key (and identity) from a thread with its own connection.
 
         The step collective runs on the event loop thread (a thread hop would cost more
@@ -198,7 +198,8 @@ class GroupMembership:
         renewing, its slot lapses and a spare takes it, and ``stalled_s`` in its info
         tells the health check why. Renewal is fenced (shared/lease.py): it never
         overwrites another owner's token; finding one, this process leaves
-        (``_on_slot_lost``). Returns what stops it (blocking until its last beat is written)."""
+        (``_on_slot_lost``). ``on_beat_failed`` gets the monotonic time of each failed beat
+        (from this thread). Returns what stops it (blocking until its last beat is written)."""
         done = threading.Event()
         ttl = self.s.heartbeat_ms * 3
         alive_key, info_key = self.keys.rank_alive(self.rank), self.keys.rank_info(self.rank)
@@ -247,6 +248,7 @@ class GroupMembership:
                     failing_since = None
                 except Exception as exc:  # noqa: BLE001 - keep beating through blips
                     now = time.monotonic()
+                    on_beat_failed(now)
                     if failing_since is None:
                         failing_since = said_at = now
                         log.warning("heartbeat_failed", error=str(exc)[:200])

@@ -53,15 +53,25 @@ class RankState:
     reform_requested: bool = False   # a replacement's notice arrived while paused
     redis_failed_at: float = float("-inf")   # monotonic time of the step loop's last refused Redis round trip
     redis_waiting_since: float | None = None   # a step-loop round trip in flight since (monotonic), or None
+    # monotonic time of the liveness thread's last failed beat (membership.py): set from that thread
+    beat_failed_at: float = float("-inf")
 
     def redis_trouble_at(self, now: float) -> float:
         """When this rank last found Redis refusing its writes, or not answering them: a
         round trip in flight for over a second (a write pause, CLIENT PAUSE WRITE as a
-        FAILOVER does, blocks writes where a full Redis refuses them) counts as now."""
+        FAILOVER does, blocks writes where a full Redis refuses them) counts as now. The
+        liveness thread's beats count too: a step loop waiting in the collective for a peer
+        that is stuck on Redis makes no round trip at all, and judged by its own trouble
+        alone, it took the api-servers' lapsed keys for dead api-servers (CI, a full Redis)."""
         since = self.redis_waiting_since
         if since is not None and now - since > SLOW_ROUND_TRIP_S:
             return now
-        return self.redis_failed_at
+        return max(self.redis_failed_at, self.beat_failed_at)
+
+    def note_beat_failed(self, now: float) -> None:
+        """The liveness thread's write was refused or timed out at monotonic ``now`` (called
+        from that thread: one float store)."""
+        self.beat_failed_at = now
 
     def forget(self, seq_id: str) -> bytes | None:
         """Drop what is kept for a finished request; its inbox entry id (to ack), if any."""

@@ -106,7 +106,7 @@ class EngineWorker:
         rank = st.rank = st.gate.rank = st.rs.rank = self.member.rank
         self.log = self.member.log = self.log.bind(rank=rank)
         self._wire(f"rank{rank}-{self.token[:8]}")
-        liveness = self.member.start_liveness()
+        liveness = self.member.start_liveness(st.note_beat_failed)
         watcher = asyncio.create_task(watch_api_servers(self.r, self.keys, st.core, self.s.heartbeat_ms / 1000,
                                                         st.aborted.append, self.log,
                                                         lambda: st.redis_trouble_at(time.monotonic())))
