@@ -325,7 +325,8 @@ async def test_a_dispatch_redis_refused_is_placed_when_taken_back(redis_url, nam
     and ack) after the scheduler noted the placement in memory. Taken back after the
     refusal, the entry was taken for a second copy of a placed request, acked and dropped:
     nothing had it, and its client waited out request_timeout_s. The refused placement is
-    forgotten, and the entry is placed when taken back."""
+    forgotten (and not counted: it was counted twice), and the entry is placed when taken
+    back."""
     import orjson
 
     from shared.bus import atomic
@@ -343,6 +344,7 @@ async def test_a_dispatch_redis_refused_is_placed_when_taken_back(redis_url, nam
             await pipe.execute()
             # its dispatch, as the intake builds it, refused by a full Redis
             req = Request.from_dict(orjson.loads(_req("L")))
+            counted = svc.state.counters["dispatched"]
             dispatch = atomic(svc.r, keys.requests)
             svc.writer.emit(dispatch, req, Assignment("L", 0, reason="test"), time.time())
             await admin.config_set("maxmemory-policy", "noeviction")
@@ -353,11 +355,13 @@ async def test_a_dispatch_redis_refused_is_placed_when_taken_back(redis_url, nam
             finally:
                 await admin.config_set("maxmemory", "0")
             assert "L" not in svc.state.assigned
+            assert svc.state.counters["dispatched"] == counted      # (nor counted: it is placed later)
             svc.state.redis_trouble = True      # (as the retry of a refused pipeline sets it)
             await r.xadd(keys.requests, {FIELD: _req("wake")})   # the intake's blocked read returns
             await wait_until(lambda: _have(r, keys, {"L", "wake"}), timeout=10)
             assert svc.state.counters.get("duplicates", 0) == 0
             await wait_until(lambda: _nothing_pending(r, keys), timeout=5)
+            assert svc.state.counters["dispatched"] == counted + 2   # L and wake, once each
     finally:
         await admin.config_set("maxmemory", "0")
         await r.aclose()

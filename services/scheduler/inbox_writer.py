@@ -28,7 +28,8 @@ class InboxWriter:
         self.keys, self.s, self.state, self.log = keys, settings, state, log
         self.metrics: Any = None        # set once leading (services/scheduler/metrics.py)
         self._dispatching = False       # the pipeline being built writes work to an inbox
-        self._noted: list[tuple[str, int | None]] = []   # its placements: (request id, rank before)
+        # its placements: (request, assignment, rank before, when), counted once it commits
+        self._noted: list[tuple[Request, Assignment, int | None, float]] = []
 
     def post_wake(self, pipe: Any) -> None:
         """With the inbox writes: wake the group if it sleeps (shared/wake.py)."""
@@ -44,8 +45,6 @@ class InboxWriter:
         req.dispatcher = a.dispatcher or st.dispatcher_id
         req.dispatch_seq = a.seq
         self._dispatching = True
-        if self.metrics is not None:
-            self.metrics.on_dispatch(a, req, now)
         was = st.assigned.get(req.id)
         if req.epoch > 0 and was is not None and was != a.rank:
             # A resumed request moving rank: the copy this leader placed may still run there
@@ -60,12 +59,10 @@ class InboxWriter:
             rec["batch"] = a.batch
         pipe.hset(self.keys.req(req.id), mapping=rec)
         pipe.expire(self.keys.req(req.id), self.s.request_record_ttl_s)
-        self._noted.append((req.id, was))
+        self._noted.append((req, a, was, now))
         st.assigned[req.id] = a.rank
         if len(st.assigned) > ASSIGNED_MEMORY:
             st.assigned.popitem(last=False)
-        st.counters["dispatched"] += 1
-        st.counters["dispatched_tokens"] += req.prompt_tokens
 
     async def commit(self, pipe: Any) -> Any:
         """Execute the dispatch pipeline built since the last commit (its emits and this
@@ -74,18 +71,33 @@ class InboxWriter:
         for it are forgotten, so its entries, still pending, are placed when taken back.
         Noted, they were taken for second copies of placed requests, acked and dropped:
         nothing ran them, and each client waited out request_timeout_s. (A lost connection
-        leaves the outcome unknown: the placements stand, and a copy is dropped as before.)"""
+        leaves the outcome unknown: the placements stand, and a copy is dropped as before.)
+        The placements are counted (``dispatched``, the Prometheus placement metrics) only
+        as they stand: counted as built, a refused one was counted again when placed."""
         noted, self._noted = self._noted, []
         try:
-            return await pipe.execute()
+            res = await pipe.execute()
         except ResponseError:
             assigned = self.state.assigned
-            for rid, was in reversed(noted):
+            for req, _, was, _ in reversed(noted):
                 if was is None:
-                    assigned.pop(rid, None)
+                    assigned.pop(req.id, None)
                 else:
-                    assigned[rid] = was
+                    assigned[req.id] = was
             raise
+        except BaseException:
+            self._count(noted)
+            raise
+        self._count(noted)
+        return res
+
+    def _count(self, noted: list[tuple[Request, Assignment, int | None, float]]) -> None:
+        counters = self.state.counters
+        for req, a, _, now in noted:
+            counters["dispatched"] += 1
+            counters["dispatched_tokens"] += req.prompt_tokens
+            if self.metrics is not None:
+                self.metrics.on_dispatch(a, req, now)
 
     def release(self, pipe: Any, a: Assignment, now: float) -> bytes | None:
         """Emit an unplaced request the policy released; its stream entry id (to ack), or None."""
