@@ -19,9 +19,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.api_server import lost_watch
 from shared import cancels
 from shared import keys as K
 from shared.bus import decode_entries, same_data, server_run_id
+from shared.replies import as_str
 from shared.messages import FIELD, Abort, Delta, MessageError, Request, Resume, Retire, encode, output_entry
 from shared.policy.base import RequestInfo
 from shared.stats import Snapshot
@@ -49,7 +51,8 @@ class RequestChannel:
     """Tokens of one request as they arrive; ``pos`` in each delta drops duplicates."""
 
     __slots__ = ("id", "tokens", "finish", "error", "code", "prompt_tokens", "event", "rank", "first_t", "last_t",
-                 "req", "epoch", "logprobs", "prompt_lp", "gaps", "gap_epoch", "entry", "sent", "reasoning_tokens")
+                 "req", "epoch", "logprobs", "prompt_lp", "gaps", "gap_epoch", "entry", "sent", "reasoning_tokens",
+                 "quiet_t")
 
     def __init__(self, rid: str) -> None:
         self.id = rid
@@ -71,6 +74,7 @@ class RequestChannel:
         self.gaps = 0           # resumes asked for because deltas were lost
         self.gap_epoch = -1     # the epoch whose stream had a gap (its later deltas are dropped)
         self.entry: tuple[str, bytes] | None = None   # (stream, id) of its last submission
+        self.quiet_t = 0.0      # monotonic: its submission came back, or lost_watch.py last looked it up
         self.sent = asyncio.Event()     # its submission's write came back (taken, or failed: then finish is set)
         self.reasoning_tokens = 0       # with a reasoning parser: the thinking's tokens, once its choice is whole
 
@@ -186,6 +190,7 @@ class Gateway:
         self.redis_refusal: str | None = None     # why the last heartbeat's write failed (a full Redis answers PING)
         self.down_since: float | None = None      # monotonic: since when fewer than every rank has been live
         self.was_whole = False                    # the group had every rank once since this replica started
+        self.silent_check_s = lost_watch.SILENT_CHECK_S   # (a test shortens it)
 
     async def start(self) -> None:
         self.run_id = await server_run_id(self.r, self.keys.dataset)
@@ -195,6 +200,8 @@ class Gateway:
             self.policy.set_ranks(list(range(self.num_ranks)))
         self._tasks.append(asyncio.create_task(self._read_outputs()))
         self._tasks.append(asyncio.create_task(self._heartbeat()))
+        if not self.client_dispatch:
+            self._tasks.append(asyncio.create_task(self._watch_lost()))
         if self.client_dispatch:
             # Only a replica that picks ranks needs every snapshot; the others read the
             # latest one when /metrics is scraped (a snapshot per step is a flood at high
@@ -326,6 +333,7 @@ class Gateway:
                 ch.fail(f"could not queue the request: {submit_failure(replies[i])}", "redis_unavailable")
             else:
                 ch.entry = (stream, replies[i])
+                ch.quiet_t = time.monotonic()
             ch.sent.set()
 
     async def _execute_submit(self, build: Callable[[], Any], raise_on_error: bool = True) -> list[Any]:
@@ -496,6 +504,38 @@ class Gateway:
             if self.log is not None:
                 self.log.warning("redis_writes_lost", n=len(lost), ids=lost[:8], action="resume")
             self._resume(lost)
+
+    async def _watch_lost(self) -> None:
+        """Every third of ``silent_check_s``: the requests silent that long that no service
+        holds (lost_watch.py) are resumed, in one round trip."""
+        while True:
+            await asyncio.sleep(self.silent_check_s / 3)
+            now = time.monotonic()
+            checked = lost_watch.due(self.channels.values(), now, self.keys.requests, self.silent_check_s)
+            if not checked:
+                continue
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                pipe.xinfo_groups(self.keys.requests)
+                for ch in checked:
+                    eid = ch.entry[1]
+                    pipe.xpending_range(self.keys.requests, K.SCHEDULER_GROUP, min=eid, max=eid, count=1)
+                    pipe.exists(self.keys.req(ch.id))
+                groups, *rest = await pipe.execute()
+            except Exception as exc:  # noqa: BLE001 - Redis trouble: looked up again next round
+                if self.log is not None:
+                    self.log.warning("lost_check_failed", error=str(exc)[:200])
+                continue
+            delivered = next((g.get("last-delivered-id") for g in groups
+                              if as_str(g.get("name")) == K.SCHEDULER_GROUP), None)
+            gone = lost_watch.lost(checked, delivered, rest[0::2], rest[1::2])
+            for ch in checked:
+                ch.quiet_t = now
+            if gone:
+                if self.log is not None:
+                    self.log.error("requests_lost", n=len(gone), ids=gone[:8], action="resume",
+                                   hint="the scheduler acked them with no dispatch: please report it")
+                self._resume(gone)
 
     async def _heartbeat(self) -> None:
         """Once a second, in one round trip: this replica's heartbeat, how long the
