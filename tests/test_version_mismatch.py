@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.timeout(90)]
 
 def test_protocol_names_the_row_layout():
     # A change to the step row's columns must bump STEP_PROTOCOL too (step_view.py).
-    assert (STEP_PROTOCOL, FIELDS) == (1, 16)
+    assert (STEP_PROTOCOL, FIELDS) == (2, 17)
 
 
 def _member(redis_url: str, namespace: str, rank: int, r, **settings) -> GroupMembership:

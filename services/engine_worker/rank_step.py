@@ -21,7 +21,7 @@ from services.engine_worker.busy_meter import BusyMeter
 from services.engine_worker.engine_scheduler import EngineScheduler, StepPlan
 from services.engine_worker.prompt_window import PromptWindow
 from shared.rate_meter import RateMeter
-from services.engine_worker.step_view import (BUSY_FLAG, LULL_FLAG, TAIL_FLAG, F_ALIGN, F_ARRIVED, F_BUSY,
+from services.engine_worker.step_view import (BUSY_FLAG, LULL_FLAG, TAIL_FLAG, F_ALIGN, F_ARRIVED, F_BUSY, F_COMPANY,
                                              F_ARRIVED_N, F_DECODE, F_GATE, F_GATE_HELD, F_FORCED, F_LONGEST, F_MUST,
                                              F_QUEUED, F_RELEASE, F_TOKENS, Action, StepView)
 from services.engine_worker.sequence import Sequence
@@ -68,6 +68,7 @@ class RankStep:
         self.mean_prompt = 0.0                    # prompt tokens, a moving average of this rank's arrivals
         self.last_arrival_s = float("-inf")       # the last view in which prompts reached some rank
         self.last_view_s = float("-inf")          # the last view
+        self.ranks = 0                            # the group's size, as of the last view (0: none yet)
         # the group's last prompts' sizes, from every rank's row: how long the long ones are
         # (the long-prompt wait); and the prompts that arrived here, not yet in a row the group saw
         self.prompts = PromptWindow(budget.long_window) if budget is not None and budget.long_quantile > 0 else None
@@ -111,6 +112,7 @@ class RankStep:
         if total > 0:
             self.last_arrival_s = now_s
         self.last_view_s = now_s
+        self.ranks = len(view.rows)
 
     def in_lull(self, now_s: float) -> bool:
         """No prompt has reached the group since the view at ``last_arrival_s`` while
@@ -164,6 +166,22 @@ class RankStep:
         is spent whether prefills run together or not)."""
         return self.prompt_rate.rate(now_s) * self.clock.token_ms / 1000.0
 
+    def company_shortfall(self, now_s: float) -> float:
+        """How far the prompts reaching the group fall short of ``company_prompts`` per rank
+        per full-step time, the rate from which waiting for company pays: 0 from there (and
+        until a full step is measured), 1 with none arriving, in proportion between. The
+        balance a backlogged step must keep shrinks with it (rank 0's figure, ``_budget``):
+        a step held back for the ranks without prefill waits for the next prompts to reach
+        them, and prompts of many steps each arrive about once a step, so every other rank
+        idled through that wait (fixed:16000:16 on 8 ranks: 0.88 of ideal at 1.0x, against
+        0.97 for placement alone; docs/benchmarks.md)."""
+        cfg = self.budget
+        full_ms = self.clock.full_step_ms
+        if cfg.company_prompts <= 0 or full_ms <= 0 or self.mean_prompt <= 0 or self.ranks <= 0:
+            return 0.0
+        per_rank = self.prompt_rate.rate(now_s) / self.mean_prompt * full_ms / 1000.0 / self.ranks
+        return max(0.0, 1.0 - per_rank / cfg.company_prompts)
+
     def forget(self, seq_id: str) -> None:
         self.since_s.pop(seq_id, None)
 
@@ -189,7 +207,8 @@ class RankStep:
                 | (LULL_FLAG if self.in_lull(now_s) else 0))
         row = [int(core.has_work()), plan.num_tokens, plan.max_context, complete, oldest_held,
                release, int(stopping), plan.decode_tokens, must, int(self.budget is not None), queued, forced,
-               busy, self.arrived_tokens, max(self.unreported, default=0), len(self.unreported)]
+               busy, self.arrived_tokens, max(self.unreported, default=0), len(self.unreported),
+               round(1000 * self.company_shortfall(now_s)) if self.budget is not None else 0]
         return plan, row
 
     def prefill_need(self, plan: StepPlan, now_s: float) -> tuple[int, int]:
@@ -356,8 +375,10 @@ class RankStep:
         if cfg.min_balance > 0 and _holding(view, cfg.max_tokens):
             T = 0   # nobody decodes, every prefill just arrived, some rank short of a full step: no forward
         elif cfg.min_balance > 0:
-            # the largest budget most ranks can fill; a rank capped max_capped_steps in a row runs
-            T = balanced_budget(decode, tokens, cfg.min_balance, cfg.max_tokens)
+            # the largest budget most ranks can fill (fewer, where company comes seldom: rank
+            # 0's shortfall); a rank capped max_capped_steps in a row runs
+            floor = cfg.min_balance * (1.0 - min(1000, max(0, view.rows[0][F_COMPANY])) / 1000.0)
+            T = balanced_budget(decode, tokens, floor, cfg.max_tokens)
             # busy, and some rank cannot start what it holds: short steps free its room sooner
             if cfg.blocked_tokens > 0 and view.rows[0][F_BUSY] & BUSY_FLAG and _any_blocked(view):
                 T = min(T, max(decode) + cfg.blocked_tokens)

@@ -28,6 +28,9 @@ class BudgetConfig:
     max_delay_ms: float = 300.0     # bounded delay: every prefill done this long after it became schedulable
     step_ms: float = 10.0           # step time must_tokens plans with (0: the caller's measured step)
     min_balance: float = 0.0        # >0: under a backlog, the largest budget whose step stays this balanced
+    # >0: min_balance holds in full only while at least this many prompts reach the group
+    # per rank per full-step time, and in proportion below (rank_step.company_shortfall)
+    company_prompts: float = 0.0
     backlog_steps: float = 1.0      # a backlog: pending prefill (<= a full step per rank) fills this of a group step
     max_capped_steps: int = 0       # >0: a rank whose prefill was capped this many steps in a row runs it
     min_delay_ms: float = 0.0       # with min_balance: a prefill may wait this long even with no backlog
@@ -107,6 +110,8 @@ class BudgetConfig:
             raise ValueError("grow_share and grow_share_full must be >= 0, grow_share_full >= grow_share (or 0: always)")
         if self.tail_steps < 0:
             raise ValueError("tail_steps must be >= 0")
+        if self.company_prompts < 0:
+            raise ValueError("company_prompts must be >= 0")
         if self.blocked_tokens < 0:
             raise ValueError("blocked_tokens must be >= 0")
         if not 0.0 <= self.long_quantile < 1.0 or self.long_share < 0 or self.long_window < 1:
@@ -130,6 +135,7 @@ def from_settings(settings: Any) -> BudgetConfig | None:
                         min_delay_steps=settings.align_min_delay_steps, max_delay_steps=settings.align_max_delay_steps,
                         backlog_steps=settings.align_backlog_steps,
                         min_balance=settings.align_min_balance, max_capped_steps=settings.align_max_capped_steps,
+                        company_prompts=settings.align_company_prompts,
                         busy_tokens=settings.align_busy_tokens, busy_tau_s=settings.align_busy_window_s * k,
                         busy_backlog_steps=settings.align_busy_backlog_steps,
                         busy_capped_steps=settings.align_busy_capped_steps,

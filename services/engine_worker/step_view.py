@@ -29,11 +29,13 @@ F_BUSY = 12          # token alignment, flags (rank 0's are applied): BUSY_FLAG 
 F_ARRIVED = 13       # token alignment: prompt tokens that reached this rank since its last row
 F_LONGEST = 14       # token alignment: the longest of those prompts (tokens)
 F_ARRIVED_N = 15     # token alignment: how many prompts those were
-FIELDS = 16
+F_COMPANY = 16       # token alignment (rank 0's is applied): how far, in thousandths, prompts reach the
+                     # group less often than waiting for company pays (rank_step.company_shortfall)
+FIELDS = 17
 # The rows' layout and meaning, as one number: rank 0 publishes it at the rendezvous and a
 # rank that reads another refuses to join (membership.py). Bump it with any change to the
 # columns above or to what a rank decides from them.
-STEP_PROTOCOL = 1
+STEP_PROTOCOL = 2
 BUSY_FLAG, TAIL_FLAG, LULL_FLAG = 1, 2, 4
 
 
