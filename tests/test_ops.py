@@ -356,6 +356,12 @@ def test_unreachable_cluster_is_one_line_and_exit_2(cluster, tmp_path):
     res = subprocess.run([sys.executable, "-m", "services.admin.cli", "steps", "-n", "nobody-here"],
                          capture_output=True, text=True, timeout=30, env=env, cwd=ROOT)
     assert res.returncode == 2 and "no running local cluster" in res.stderr
+    # `up` on a Redis it cannot reach says so, and only that (it said "starting 4 ranks" first)
+    res = subprocess.run([sys.executable, "-m", "services.admin.cli", "up", "-n", "nobody-up", "--backend", "sim",
+                          "--port", str(free_port()), "--redis-url", "redis://127.0.0.1:1"],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert res.stderr.count("\n") == 1 and "cannot reach Redis" in res.stderr and "starting" not in res.stderr
 
 
 # ----------------------------------------------------------------------------- init

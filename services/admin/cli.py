@@ -66,7 +66,7 @@ def up(
                                             help="Use this Redis instead of starting a private one: redis://, rediss://, "
                                                  "redis+cluster://HOST:PORT, redis+sentinel://HOST:PORT/SERVICE."),
     persist: Optional[str] = typer.Option(None, "--persist", help="Keep the embedded Redis data in this directory."),
-    time_scale: float = typer.Option(1.0, "--time-scale", min=0.0, envvar="LOCKSTEP_TIME_SCALE",
+    time_scale: float = typer.Option(1.0, "--time-scale", envvar="LOCKSTEP_TIME_SCALE",
                                      help="sim backend: scale modeled device time (0 = none)."),
     max_wait_ms: Optional[float] = typer.Option(None, "--max-wait-ms", min=0.0, envvar="LOCKSTEP_MAX_WAIT_MS",
                                                 help="staggered: longest a request waits unplaced before its batch goes out "
@@ -123,7 +123,7 @@ def up(
         _fail(f"--max-wait-ms (or LOCKSTEP_MAX_WAIT_MS) bounds the wait of a staggered batch; policy {policy!r} does "
               "not read it (use --policy staggered --max-wait-ms MS, or drop --max-wait-ms / unset "
               "LOCKSTEP_MAX_WAIT_MS)", 2)
-    if not math.isfinite(time_scale):
+    if not math.isfinite(time_scale) or time_scale < 0:   # (checked here: typer's bound said "nan < 0")
         _fail(f"--time-scale must be a finite number >= 0 (0 = no modeled device time), not {time_scale}: at "
               "inf no step would ever end", 2)
     if time_scale != 1.0 and backend != "sim":
@@ -163,7 +163,6 @@ def up(
     except ValueError as exc:
         _fail(str(exc), 2)
     cluster = LocalCluster(opts, out=lambda m: typer.echo(m, err=True))
-    typer.echo(f"lockstep: starting {ranks} {backend} ranks and {api_servers} api-servers...", err=True)
     try:
         cluster.start()
     except (RedisUnreachable, ServerNotFound, ClusterRunning) as exc:

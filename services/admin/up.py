@@ -123,6 +123,9 @@ class LocalCluster(Supervisor):
         except RedisUnreachable:
             self.stop()
             raise
+        # (said once Redis answers: a wrong --redis-url said "starting" before its error)
+        self.out(f"lockstep: starting {o.ranks} {o.backend} rank{'s' * (o.ranks != 1)} and {o.api_servers} "
+                 f"api-server{'s' * (o.api_servers != 1)}...")
         self.url = url_with_known_nodes(self.url)   # a cluster URL naming one node: every node
         asyncio.run(self._prepare_redis())
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -412,8 +415,8 @@ def served_model(o: UpOptions) -> str:
 def banner(cluster: LocalCluster) -> str:
     o = cluster.o
     return "\n".join([
-        f"lockstep is up: {o.ranks} ranks ({o.backend}) + {o.spares} hot spare{'s' * (o.spares != 1)}, "
-        f"{o.api_servers} api-servers, policy {o.policy}",
+        f"lockstep is up: {o.ranks} rank{'s' * (o.ranks != 1)} ({o.backend}) + {o.spares} hot "
+        f"spare{'s' * (o.spares != 1)}, {o.api_servers} api-server{'s' * (o.api_servers != 1)}, policy {o.policy}",
         f"  API        {cluster.api_url}   (OpenAI-compatible; model '{served_model(o)}')",
         f"  Redis      {redact_url(cluster.url)}" + ("   (embedded, stops with this command)" if cluster.redis else ""),
         f"  Logs       {cluster.log_dir}",
