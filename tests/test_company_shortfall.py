@@ -34,14 +34,16 @@ def _rank_step(cfg: BudgetConfig) -> RankStep:
     return RankStep(0, core, BatchGate(rank=0, timeout_s=0.1), cfg)
 
 
-def _view(queued: list[int], decode: int = 16, arrived: int = 0, company: int = 0) -> StepView:
+def _view(queued: list[int], decode: int = 16, arrived: int = 0, company: int = 0,
+          blocked: tuple[int, ...] = ()) -> StepView:
     """A busy group: ranks decoding ``decode`` each, ``queued`` prefill pending (all in this
-    step's plan); rank 0 reports ``arrived`` prompt tokens and the shortfall ``company``."""
+    step's plan, unless ``blocked``: its KV is full); rank 0 reports ``arrived`` prompt
+    tokens and the shortfall ``company``."""
     rows = []
     for i, q in enumerate(queued):
         row = [0] * FIELDS
         row[F_HAS_WORK], row[F_ALIGN], row[F_DECODE] = 1, 1, decode
-        row[F_TOKENS] = decode + min(q, FULL - decode)
+        row[F_TOKENS] = decode + (0 if i in blocked else min(q, FULL - decode))
         row[F_QUEUED] = q
         row[F_BUSY] = BUSY_FLAG if i == 0 else 0
         row[F_ARRIVED] = arrived if i == 0 else 0
@@ -99,6 +101,9 @@ def test_rank_0s_shortfall_lowers_the_balance_a_step_must_keep():
     assert rs._budget(_view(seven, company=500)) == FULL
     # and a step only one rank of eight could fill is still held back
     assert rs._budget(_view([16000] + [0] * 7, company=500)) == 16
+    # a rank that holds prefill it cannot start (its KV is full) is company that will come
+    # as its room frees: the full floor stands (letting the others run collapsed a KV-bound group)
+    assert rs._budget(_view([16000] * 6 + [16000, 0], company=500, blocked=(6,))) == 16
 
 
 def test_company_prompts_is_checked():

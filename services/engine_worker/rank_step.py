@@ -375,9 +375,12 @@ class RankStep:
         if cfg.min_balance > 0 and _holding(view, cfg.max_tokens):
             T = 0   # nobody decodes, every prefill just arrived, some rank short of a full step: no forward
         elif cfg.min_balance > 0:
-            # the largest budget most ranks can fill (fewer, where company comes seldom: rank
-            # 0's shortfall); a rank capped max_capped_steps in a row runs
-            floor = cfg.min_balance * (1.0 - min(1000, max(0, view.rows[0][F_COMPANY])) / 1000.0)
+            # the largest budget most ranks can fill; fewer where company comes seldom (rank
+            # 0's shortfall), unless a rank cannot start what it holds: room freeing there is
+            # company that will come (as in a lull); a rank capped max_capped_steps in a row runs
+            floor = cfg.min_balance
+            if not _any_blocked(view):
+                floor *= 1.0 - min(1000, max(0, view.rows[0][F_COMPANY])) / 1000.0
             T = balanced_budget(decode, tokens, floor, cfg.max_tokens)
             # busy, and some rank cannot start what it holds: short steps free its room sooner
             if cfg.blocked_tokens > 0 and view.rows[0][F_BUSY] & BUSY_FLAG and _any_blocked(view):
