@@ -75,6 +75,49 @@ def test_a_moment_of_full_redis_kills_no_rank_and_loses_no_token(tmp_path):
         cluster.stop()
 
 
+class _Streams:
+    """``n`` streamed completions of ``want`` tokens each (seeded, ignore_eos), started on
+    ``cluster``; returns once every one has its first token. ``check`` waits for their ends
+    and asserts each is exactly the sim's text."""
+
+    def __init__(self, cluster, n: int, want: int = 600) -> None:
+        self.n, self.want = n, want
+        self.texts: dict[int, str] = {}
+        self.errors: list[BaseException] = []
+        client = openai.OpenAI(base_url=cluster.api_url, api_key="x", max_retries=0, timeout=150)
+        client.completions.create(model="lockstep-moe", prompt="warm", max_tokens=2)
+        started = threading.Barrier(n + 1, timeout=60)
+
+        def stream(i: int) -> None:
+            out, first = [], True
+            try:
+                for c in client.completions.create(model="lockstep-moe", prompt=f"stream {i}", max_tokens=want,
+                                                   seed=i, stream=True, extra_body={"ignore_eos": True}):
+                    if c.choices:
+                        out.append(c.choices[0].text)
+                        if first:
+                            first = False
+                            started.wait()
+                self.texts[i] = "".join(out)
+            except BaseException as exc:  # noqa: BLE001 - asserted in check()
+                self.errors.append(exc)
+                if first:
+                    started.abort()
+
+        self.threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
+        for t in self.threads:
+            t.start()
+        started.wait()
+
+    def check(self) -> None:
+        for t in self.threads:
+            t.join(150)
+        assert not any(t.is_alive() for t in self.threads), "a stream hung"
+        assert not self.errors, self.errors
+        for i in range(self.n):
+            assert self.texts[i] == sim_expected_text(encode(f"stream {i}"), self.want, seed=i), i
+
+
 @pytest.mark.parametrize("fault", ["full", "write_pause"])
 def test_a_full_redis_that_outlasts_every_heartbeat_loses_no_stream(tmp_path, fault):
     """Ten seconds of refused writes (``full``: maxmemory) or blocked ones (``write_pause``:
@@ -87,33 +130,7 @@ def test_a_full_redis_that_outlasts_every_heartbeat_loses_no_stream(tmp_path, fa
     cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim", "--spares", "0")
     admin = redis.Redis.from_url(cluster.redis_url)
     try:
-        client = openai.OpenAI(base_url=cluster.api_url, api_key="x", max_retries=0, timeout=150)
-        client.completions.create(model="lockstep-moe", prompt="warm", max_tokens=2)
-        n, want = 6, 600
-        started = threading.Barrier(n + 1, timeout=60)
-        texts: dict[int, str] = {}
-        errors: list[BaseException] = []
-
-        def stream(i: int) -> None:
-            out, first = [], True
-            try:
-                for c in client.completions.create(model="lockstep-moe", prompt=f"stream {i}", max_tokens=want,
-                                                   seed=i, stream=True, extra_body={"ignore_eos": True}):
-                    if c.choices:
-                        out.append(c.choices[0].text)
-                        if first:
-                            first = False
-                            started.wait()
-                texts[i] = "".join(out)
-            except BaseException as exc:  # noqa: BLE001 - asserted below
-                errors.append(exc)
-                if first:
-                    started.abort()
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        started.wait()                                  # every stream has tokens
+        streams = _Streams(cluster, 6)                  # every stream has tokens
         if fault == "full":
             admin.config_set("maxmemory-policy", "noeviction")
             admin.config_set("maxmemory", "1")
@@ -129,12 +146,7 @@ def test_a_full_redis_that_outlasts_every_heartbeat_loses_no_stream(tmp_path, fa
             admin.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
             time.sleep(10.0)
             admin.execute_command("CLIENT", "UNPAUSE")
-        for t in threads:
-            t.join(150)
-        assert not any(t.is_alive() for t in threads), "a stream hung"
-        assert not errors, errors
-        for i in range(n):
-            assert texts[i] == sim_expected_text(encode(f"stream {i}"), want, seed=i), i
+        streams.check()
     finally:
         admin.execute_command("CLIENT", "UNPAUSE")     # first: a paused server would hold the next write
         admin.config_set("maxmemory", "0")
@@ -154,33 +166,7 @@ def test_a_rank_waiting_in_the_collective_through_a_full_redis_aborts_nothing(tm
     admin = redis.Redis.from_url(cluster.redis_url)
     frozen = _ranks(cluster)[0]
     try:
-        client = openai.OpenAI(base_url=cluster.api_url, api_key="x", max_retries=0, timeout=150)
-        client.completions.create(model="lockstep-moe", prompt="warm", max_tokens=2)
-        n, want = 4, 600
-        started = threading.Barrier(n + 1, timeout=60)
-        texts: dict[int, str] = {}
-        errors: list[BaseException] = []
-
-        def stream(i: int) -> None:
-            out, first = [], True
-            try:
-                for c in client.completions.create(model="lockstep-moe", prompt=f"stream {i}", max_tokens=want,
-                                                   seed=i, stream=True, extra_body={"ignore_eos": True}):
-                    if c.choices:
-                        out.append(c.choices[0].text)
-                        if first:
-                            first = False
-                            started.wait()
-                texts[i] = "".join(out)
-            except BaseException as exc:  # noqa: BLE001 - asserted below
-                errors.append(exc)
-                if first:
-                    started.abort()
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        started.wait()                                  # every stream has tokens, on both ranks
+        streams = _Streams(cluster, 4)                  # every stream has tokens, on both ranks
         os.kill(frozen, signal.SIGSTOP)
         time.sleep(1.0)                                 # rank 1 ends its step and waits in the collective
         admin.config_set("maxmemory-policy", "noeviction")
@@ -188,12 +174,7 @@ def test_a_rank_waiting_in_the_collective_through_a_full_redis_aborts_nothing(tm
         time.sleep(10.0)                                # the fault's length: longer than the alive keys live
         admin.config_set("maxmemory", "0")
         os.kill(frozen, signal.SIGCONT)
-        for t in threads:
-            t.join(150)
-        assert not any(t.is_alive() for t in threads), "a stream hung"
-        assert not errors, errors
-        for i in range(n):
-            assert texts[i] == sim_expected_text(encode(f"stream {i}"), want, seed=i), i
+        streams.check()
         # (the api-server may resume an aborted request before the abort's error reaches it:
         # the rank's log says whether it took the live api-server for dead)
         log = (Path(cluster.state_dir) / cluster.namespace / "logs" / "engine-1.log").read_text()
