@@ -100,11 +100,13 @@ def test_up_refuses_time_scale_on_torch_and_a_negative_one(no_start):
     res = _cli("up", "--backend", "torch", "--time-scale", "3")
     _refused(res, "--time-scale", "--backend sim")
     res = _cli("up", "--backend", "sim", "--time-scale", "-1")
-    _refused(res, "--time-scale")
+    _refused(res, "--time-scale", "finite number >= 0", "not -1.0")
+    assert "inf" not in res.stderr
     res = _cli("up", "--backend", "sim", "--time-scale", "inf")   # was up and "ready", and no step ever ended
-    _refused(res, "--time-scale", "finite")
+    _refused(res, "--time-scale", "finite", "no step would ever end")
     res = _cli("up", "--backend", "sim", "--time-scale", "nan")   # typer's bound said it must be >= 0
     _refused(res, "--time-scale", "finite number >= 0", "not nan")
+    assert "inf" not in res.stderr
     for ok in (["--backend", "torch", "--time-scale", "1"], ["--backend", "sim", "--time-scale", "0"]):
         res = _cli("up", *ok)
         assert res.exit_code == 1 and "would start a cluster" in res.stderr, (ok, res.output)

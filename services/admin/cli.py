@@ -124,8 +124,8 @@ def up(
               "not read it (use --policy staggered --max-wait-ms MS, or drop --max-wait-ms / unset "
               "LOCKSTEP_MAX_WAIT_MS)", 2)
     if not math.isfinite(time_scale) or time_scale < 0:   # (checked here: typer's bound said "nan < 0")
-        _fail(f"--time-scale must be a finite number >= 0 (0 = no modeled device time), not {time_scale}: at "
-              "inf no step would ever end", 2)
+        _fail(f"--time-scale must be a finite number >= 0 (0 = no modeled device time), not {time_scale}"
+              + (": at inf no step would ever end" if time_scale == math.inf else ""), 2)
     if time_scale != 1.0 and backend != "sim":
         _fail("--time-scale scales the sim backend's modeled device time; --backend torch runs the real model "
               "(use --backend sim --time-scale X, or drop --time-scale)", 2)

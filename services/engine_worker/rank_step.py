@@ -378,12 +378,13 @@ class RankStep:
             # the largest budget most ranks can fill; fewer where company comes seldom (rank
             # 0's shortfall), unless a rank cannot start what it holds: room freeing there is
             # company that will come (as in a lull); a rank capped max_capped_steps in a row runs
+            blocked = _any_blocked(view)
             floor = cfg.min_balance
-            if not _any_blocked(view):
+            if not blocked:
                 floor *= 1.0 - min(1000, max(0, view.rows[0][F_COMPANY])) / 1000.0
             T = balanced_budget(decode, tokens, floor, cfg.max_tokens)
             # busy, and some rank cannot start what it holds: short steps free its room sooner
-            if cfg.blocked_tokens > 0 and view.rows[0][F_BUSY] & BUSY_FLAG and _any_blocked(view):
+            if cfg.blocked_tokens > 0 and view.rows[0][F_BUSY] & BUSY_FLAG and blocked:
                 T = min(T, max(decode) + cfg.blocked_tokens)
             # in a lull nobody is coming: balanced among the ranks that have prefill
             if cfg.lull_prompts > 0 and view.rows[0][F_BUSY] & LULL_FLAG:
