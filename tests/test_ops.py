@@ -27,10 +27,19 @@ MODEL = "lockstep-moe"
 
 def _free_run(n: int) -> int:
     """A port with the n - 1 after it free too: the engines bind the metrics base + 1 + rank,
-    and a base alone picked free let another process hold base + 1 (CI: metrics_port_busy)."""
+    and a base alone picked free let another process hold base + 1 (CI: metrics_port_busy).
+    Below the kernel's ephemeral range: a run picked inside it was free when checked, and then
+    the cluster's own outgoing connections (Redis, the ranks' collective) took one of its
+    ports as their local end (CI: rank 0's metrics port busy, its scrape refused)."""
+    import random
     import socket
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_lo = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_lo = 0
     for _ in range(200):
-        base = free_port()
+        base = random.randrange(10_000, ephemeral_lo - n) if ephemeral_lo > 10_000 + n else free_port()
         socks = [socket.socket() for _ in range(n)]
         try:
             for i, sk in enumerate(socks):
