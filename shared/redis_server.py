@@ -41,23 +41,56 @@ def find_server_binary() -> str:
         "or pass --redis-url redis://HOST:PORT to use a running server")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_recently_given: list[int] = []     # this process's last picks: never hand one out twice in a row
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports, all held while they are chosen: ``free_port()`` twice in a
-    row can return the same port (the first is released before the second is picked)."""
-    socks = [socket.socket() for _ in range(n)]
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel lends to outgoing connections (0 where unknown)."""
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
+    """``n`` distinct ports free to listen on, all held while they are chosen (``consecutive``:
+    a run base, base + 1, ...). Picked below the kernel's ephemeral range where there is room:
+    a port that ``bind(0)`` lends comes from that range, so between the pick and the server's
+    own bind any outgoing connection (to Redis, between ranks) may take it as its local end
+    (CI: a rank's metrics port busy)."""
+    import random
+    floor = _ephemeral_floor()
+    for _ in range(200):
+        if floor > 10_000 + 4 * n:
+            if consecutive:
+                base = random.randrange(10_000, floor - n)
+                ports = list(range(base, base + n))
+            else:
+                ports = random.sample(range(10_000, floor), n)
+        else:
+            ports = [0] * n
+        if any(p in _recently_given for p in ports if p):
+            continue
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for sk, port in zip(socks, ports):
+                sk.bind(("127.0.0.1", port))
+            got = [sk.getsockname()[1] for sk in socks]
+            if consecutive and got != list(range(got[0], got[0] + n)):
+                continue
+            _recently_given[:] = (_recently_given + got)[-256:]
+            return got
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+    raise RuntimeError(f"no {'run' if consecutive else 'set'} of {n} free ports on 127.0.0.1")
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
 
 
 @dataclass

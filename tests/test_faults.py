@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from shared.keys import Keys
-from shared.redis_server import EmbeddedRedis, free_port
+from shared.redis_server import EmbeddedRedis, free_port, free_ports
 from tests.conftest import start_cluster
 from tests.helpers import wait_until
 
@@ -377,11 +377,10 @@ def test_leader_scheduler_killed_during_burst(tmp_path):
     import redis
 
     from shared.keys import Keys
-    from shared.redis_server import free_port
     from shared.tokenizer import encode
     from tests.helpers import poll_until, sim_expected_text
 
-    mport = free_port()
+    mport = free_ports(3, consecutive=True)[0]   # the scheduler's port, then each engine's (+1 + rank)
     os.environ["LOCKSTEP_METRICS_PORT"] = str(mport)     # `up` passes LOCKSTEP_* on to its children
     try:
         cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim",

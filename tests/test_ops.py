@@ -18,39 +18,11 @@ import pytest
 from tests.helpers import poll_until
 
 from shared.keys import Keys
-from shared.redis_server import free_port
+from shared.redis_server import free_port, free_ports
 from tests.conftest import ROOT, Cluster, start_cluster
 
 pytestmark = pytest.mark.slow
 MODEL = "lockstep-moe"
-
-
-def _free_run(n: int) -> int:
-    """A port with the n - 1 after it free too: the engines bind the metrics base + 1 + rank,
-    and a base alone picked free let another process hold base + 1 (CI: metrics_port_busy).
-    Below the kernel's ephemeral range: a run picked inside it was free when checked, and then
-    the cluster's own outgoing connections (Redis, the ranks' collective) took one of its
-    ports as their local end (CI: rank 0's metrics port busy, its scrape refused)."""
-    import random
-    import socket
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral_lo = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_lo = 0
-    for _ in range(200):
-        base = random.randrange(10_000, ephemeral_lo - n) if ephemeral_lo > 10_000 + n else free_port()
-        socks = [socket.socket() for _ in range(n)]
-        try:
-            for i, sk in enumerate(socks):
-                sk.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sk in socks:
-                sk.close()
-    raise RuntimeError(f"no run of {n} free ports")
 
 
 def poll(pred, timeout: float = 15.0, interval: float = 0.1):
@@ -61,7 +33,7 @@ def poll(pred, timeout: float = 15.0, interval: float = 0.1):
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("ops")
-    metrics_base = _free_run(4)    # the scheduler's port, then each engine's (+1 + rank) and the spare's
+    metrics_base = free_ports(4, consecutive=True)[0]    # the scheduler's port, then each engine's (+1 + rank) and the spare's
     saved = os.environ.get("LOCKSTEP_METRICS_PORT")
     os.environ["LOCKSTEP_METRICS_PORT"] = str(metrics_base)   # `up` passes LOCKSTEP_* through to its children
     try:
