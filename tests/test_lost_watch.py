@@ -27,21 +27,36 @@ def _ch(rid: str, eid: str, *, last_t: float = 0.0, quiet_t: float = 0.0, epoch:
                            finish=finish)
 
 
-def test_only_first_submissions_silent_long_enough_are_looked_up():
+def test_only_submissions_to_the_scheduler_silent_long_enough_are_looked_up():
     chs = [_ch("old", "5-0", quiet_t=10.0), _ch("recent", "6-0", quiet_t=90.0), _ch("tokens", "7-0", last_t=95.0),
-           _ch("resumed", "8-0", epoch=1), _ch("done", "9-0", finish="stop"),
+           _ch("resumed", "8-0", epoch=1, quiet_t=20.0), _ch("done", "9-0", finish="stop"),
            _ch("inbox", "10-0", stream="ns:inbox:0"), _ch("older", "4-0", quiet_t=5.0)]
     got = lost_watch.due(chs, 100.0, "ns:requests", silent_s=30.0)
-    assert [c.id for c in got] == ["older", "old"]          # the longest silent first
+    assert [c.id for c in got] == ["older", "old", "resumed"]          # the longest silent first
     assert len(lost_watch.due(chs, 100.0, "ns:requests", silent_s=30.0, limit=1)) == 1
 
 
 def test_lost_means_delivered_not_pending_and_unrecorded():
     chs = [_ch("lost", "5-0"), _ch("pending", "6-0"), _ch("placed", "7-0"), _ch("unread", "12-0")]
     pending = [[], [{"message_id": b"6-0"}], [], []]
-    records = [0, 0, 1, 0]
+    records = [(None, None), (None, None), (b"dispatched", None), (None, None)]
     assert lost_watch.lost(chs, b"10-0", pending, records) == ["lost"]
     assert lost_watch.lost(chs, None, pending, records) == []    # no group: the scheduler read nothing
+
+
+def test_a_resumed_copy_is_lost_while_only_the_copy_before_is_recorded():
+    """A resumed request's record is its earlier copy's until the scheduler places the new
+    one (the record then carries the new epoch): the earlier record must not hide a resumed
+    copy that the scheduler dropped."""
+    chs = [_ch("dropped", "5-0", epoch=1), _ch("placed", "6-0", epoch=1), _ch("later", "7-0", epoch=2),
+           _ch("finished_before", "8-0", epoch=1)]
+    pending = [[], [], [], []]
+    records = [(b"dispatched", None), (b"dispatched", b"1"), (b"dispatched", b"3"), (b"finished", None)]
+    assert lost_watch.lost(chs, b"10-0", pending, records) == ["dropped", "finished_before"]
+
+
+async def _ids(docs, *want: str) -> bool:
+    return sorted(d["id"] for d in await docs if d["id"] in want) == list(want)
 
 
 async def _flow(url: str, namespace: str) -> None:
@@ -73,6 +88,19 @@ async def _flow(url: str, namespace: str) -> None:
         await asyncio.sleep(3 * gw.silent_check_s)       # more rounds: nothing else is taken for lost
         assert [d["id"] for d in await resubmitted()] == ["dropped"]
         assert all(c.finish is None for c in (*chs.values(), unread))
+
+        # A resumed copy dropped while only the copy before is recorded: resumed again.
+        gw._resume(["placed"])
+        await wait_until(lambda: _ids(resubmitted(), "placed"), timeout=10)
+        read = await admin.xreadgroup(K.SCHEDULER_GROUP, "sched", {keys.requests: ">"}, count=10)
+        copies = {(doc["id"], doc.get("ep", 0)): eid for _, eid, doc in decode_entries(read)}
+        assert set(copies) == {("unread", 0), ("dropped", 1), ("placed", 1)}
+        await admin.hset(keys.req("dropped"), mapping={"state": "dispatched", "rank": 0, "epoch": 1})
+        await admin.xack(keys.requests, K.SCHEDULER_GROUP, copies["dropped", 1], copies["placed", 1])   # unread: held
+        await wait_until(lambda: _ids(resubmitted(), "placed", "placed"), timeout=10)
+        assert chs["placed"].epoch == 2
+        await asyncio.sleep(3 * gw.silent_check_s)       # the placed resumed copy is not taken for lost
+        assert sorted(d["id"] for d in await resubmitted()) == ["dropped", "placed", "placed"]
     finally:
         await gw.stop()
         await r.aclose()

@@ -200,8 +200,7 @@ class Gateway:
             self.policy.set_ranks(list(range(self.num_ranks)))
         self._tasks.append(asyncio.create_task(self._read_outputs()))
         self._tasks.append(asyncio.create_task(self._heartbeat()))
-        if not self.client_dispatch:
-            self._tasks.append(asyncio.create_task(self._watch_lost()))
+        self._tasks.append(asyncio.create_task(self._watch_lost()))
         if self.client_dispatch:
             # Only a replica that picks ranks needs every snapshot; the others read the
             # latest one when /metrics is scraped (a snapshot per step is a flood at high
@@ -520,7 +519,7 @@ class Gateway:
                 for ch in checked:
                     eid = ch.entry[1]
                     pipe.xpending_range(self.keys.requests, K.SCHEDULER_GROUP, min=eid, max=eid, count=1)
-                    pipe.exists(self.keys.req(ch.id))
+                    pipe.hmget(self.keys.req(ch.id), "state", "epoch")
                 groups, *rest = await pipe.execute()
             except Exception as exc:  # noqa: BLE001 - Redis trouble: looked up again next round
                 if self.log is not None:

@@ -57,6 +57,8 @@ class InboxWriter:
                "reason": a.reason}
         if a.batch:
             rec["batch"] = a.batch
+        if req.epoch:    # a resumed copy: its api-server's lost watch tells it from the copy before
+            rec["epoch"] = req.epoch
         pipe.hset(self.keys.req(req.id), mapping=rec)
         pipe.expire(self.keys.req(req.id), self.s.request_record_ttl_s)
         self._noted.append((req, a, was, now))
