@@ -248,6 +248,8 @@ class RankStep:
                 self.calm = delay == 0 and not self.group_quiet
             if self.group_idle:   # nobody decodes, nobody else prefills: a lone step delays no one
                 delay = min(delay, cfg.idle_wait_ms)
+            elif self.group_quiet:   # nobody decodes: a step of prefill alone delays no one
+                delay = min(delay, lo)
             if cfg.step_ms <= 0 and self.last_step_ms <= 0:   # no step measured yet: crumbs
                 delay = 0.0                                    # paced by a guess only delay it
             # (a busy group's waits are its own: they grow with the backlog)
@@ -389,6 +391,9 @@ class RankStep:
             # in a lull nobody is coming: balanced among the ranks that have prefill
             if cfg.lull_prompts > 0 and view.rows[0][F_BUSY] & LULL_FLAG:
                 T = max(T, lull_budget(decode, tokens, view.column(F_QUEUED), cfg.min_balance, cfg.max_tokens))
+            if not _decodes(view):   # no decode waits through a prefill step: deadlines hold
+                for t, m in zip(tokens, must):
+                    T = max(T, min(int(t), int(m)))
             headroom = self._backlog_steps(bool(view.rows[0][F_BUSY] & BUSY_FLAG))
             # TTFT first, prefill deadlines hold, until the ranks' pending prefill could fill
             # `headroom` of a full group step: one long prompt, or one rank, alone is no backlog
