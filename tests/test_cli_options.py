@@ -117,7 +117,8 @@ def test_up_refuses_time_scale_on_torch_and_a_negative_one(no_start):
 def test_up_refuses_a_namespace_that_is_no_key_prefix_or_file_name(no_start, namespace, needle):
     # a space or an empty one was served; ../ put the state file and logs outside the state directory
     res = _cli("up", "--backend", "sim", "--namespace", namespace)
-    _refused(res, "LOCKSTEP_NAMESPACE", needle)
+    _refused(res, f"--namespace {namespace!r}", needle)    # the flag it came from, not up's variable
+    assert "LOCKSTEP_NAMESPACE" not in res.stderr
 
 
 def test_up_and_engine_refuse_a_dtype_the_ranks_would_ignore_or_fail_on(no_start):

@@ -370,10 +370,25 @@ def check_options(opts: UpOptions) -> list[Any]:
     services refuse (e.g. ``--dispatch client --policy staggered``). Returns them."""
     from shared.settings import ApiServerSettings, EngineSettings, SchedulerSettings
 
+    from shared.settings import SettingsError
+
     env = LocalCluster(opts, out=lambda _: None)._env()
-    settings = [cls.from_env(env) for cls in (SchedulerSettings, ApiServerSettings, EngineSettings)]
+    try:
+        settings = [cls.from_env(env) for cls in (SchedulerSettings, ApiServerSettings, EngineSettings)]
+    except SettingsError as exc:   # name the flag a value came from, not the variable `up` passed it in
+        msg = str(exc)
+        for var, flag in FLAG_OF_VARIABLE.items():
+            msg = msg.replace(f"{var}=", f"{flag} ")
+        raise ValueError(msg) from None
     check_device(settings[-1].backend, settings[-1].device)
     return settings
+
+
+# the children's variables that `up` sets from its own options (LocalCluster._env)
+FLAG_OF_VARIABLE = {"LOCKSTEP_NAMESPACE": "--namespace", "LOCKSTEP_RANKS": "--ranks", "LOCKSTEP_BACKEND": "--backend",
+                    "LOCKSTEP_POLICY": "--policy", "LOCKSTEP_DISPATCH": "--dispatch",
+                    "LOCKSTEP_NUM_API_SERVERS": "--api-servers", "LOCKSTEP_PORT": "--port", "LOCKSTEP_HOST": "--host",
+                    "LOCKSTEP_TIME_SCALE": "--time-scale", "LOCKSTEP_LOG_LEVEL": "--log-level"}
 
 
 def persist_problem(path: str) -> str | None:
