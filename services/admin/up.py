@@ -368,9 +368,7 @@ def check_options(opts: UpOptions) -> list[Any]:
     """The settings every child of ``up`` would start with (from the environment it gets);
     raises ValueError, with a message saying what to use instead, for a combination the
     services refuse (e.g. ``--dispatch client --policy staggered``). Returns them."""
-    from shared.settings import ApiServerSettings, EngineSettings, SchedulerSettings
-
-    from shared.settings import SettingsError
+    from shared.settings import ApiServerSettings, EngineSettings, SchedulerSettings, SettingsError
 
     env = LocalCluster(opts, out=lambda _: None)._env()
     try:
