@@ -297,10 +297,25 @@ def test_coordinated_prefill_under_a_backlog_runs_balanced_steps():
     assert _step(ranks, 0.0) == [2048, 2048]          # both can fill the budget: full steps
 
 
+def _decoding(rs):
+    """``rs`` with one sequence decoding (a group where some rank decodes is not quiet: there
+    a prefill step would hold every decode, tests/test_quiet_group.py)."""
+    q = Sequence(f"{rs.rank}-decoding", list(range(4)), SamplingParams(max_tokens=1000))
+    rs.core.add(q)
+    rs.arrived(q, 0.0)
+    rs.core.postprocess(rs.core.schedule(), {q.id: 7}, 0.0)
+    return rs
+
+
 def test_a_capped_prefill_runs_after_max_capped_steps():
-    # rank 1 has prefill pending elsewhere-blocked work so rank 0's big chunk is capped...
-    ranks = [_rank(0, [2048] * 3, COORD), _rank(1, [16] + [2048] * 3, COORD)]
-    ranks[1].core.max_num_seqs = 1                    # rank 1 can only run its short one
+    # rank 1 has prefill pending that it cannot start (its one slot decodes), so rank 0's big chunk is capped...
+    busy = _decoding(_rank(1, [], COORD))
+    for k in range(3):
+        q = Sequence(f"1-{k}", list(range(2048)), SamplingParams(max_tokens=16))
+        busy.core.add(q)
+        busy.arrived(q, 0.0)
+    busy.core.max_num_seqs = 1
+    ranks = [_rank(0, [2048] * 3, COORD), busy]
     got = [_step(ranks, 0.01 * k) for k in range(6)]
     # capped while rank 1 can only add a few tokens, then forced after max_capped_steps
     assert got[0][0] < 2048
@@ -397,6 +412,7 @@ def test_one_rank_alone_is_no_backlog_even_in_a_small_group():
 def test_two_ranks_pending_are_still_a_backlog_in_a_small_group():
     # the guard above is about one rank alone: with two, the balance rule caps the prefill
     ranks = _small_group(0.25, [[8000], [8000], [], []])
+    ranks[3] = _decoding(ranks[3])                    # someone decodes: the group is not quiet
     assert _step(ranks, 0.0)[:2] == [1, 1]            # half the group prefilling: capped to its decode floor
 
 
