@@ -41,7 +41,7 @@ def find_server_binary() -> str:
         "or pass --redis-url redis://HOST:PORT to use a running server")
 
 
-_recently_given: list[int] = []     # this process's last picks: never hand one out twice in a row
+_recently_given: list[int] = []     # this process's last 256 picks: none is handed out again soon
 
 
 def _ephemeral_floor() -> int:

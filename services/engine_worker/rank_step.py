@@ -391,13 +391,12 @@ class RankStep:
             # in a lull nobody is coming: balanced among the ranks that have prefill
             if cfg.lull_prompts > 0 and view.rows[0][F_BUSY] & LULL_FLAG:
                 T = max(T, lull_budget(decode, tokens, view.column(F_QUEUED), cfg.min_balance, cfg.max_tokens))
-            if not _decodes(view):   # no decode waits through a prefill step: deadlines hold
-                for t, m in zip(tokens, must):
-                    T = max(T, min(int(t), int(m)))
             headroom = self._backlog_steps(bool(view.rows[0][F_BUSY] & BUSY_FLAG))
             # TTFT first, prefill deadlines hold, until the ranks' pending prefill could fill
-            # `headroom` of a full group step: one long prompt, or one rank, alone is no backlog
-            if _fillable(view, cfg.max_tokens) / (len(decode) * cfg.max_tokens) < headroom:
+            # `headroom` of a full group step: one long prompt, or one rank, alone is no backlog.
+            # And where no rank decodes, backlog or not: no decode waits through a prefill step
+            if (not _decodes(view)
+                    or _fillable(view, cfg.max_tokens) / (len(decode) * cfg.max_tokens) < headroom):
                 for t, m in zip(tokens, must):
                     T = max(T, min(int(t), int(m)))
             if self._tail(view):
