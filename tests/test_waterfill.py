@@ -309,13 +309,13 @@ def _decoding(rs):
 
 def test_a_capped_prefill_runs_after_max_capped_steps():
     # rank 1 has prefill pending that it cannot start (its one slot decodes), so rank 0's big chunk is capped...
-    busy = _decoding(_rank(1, [], COORD))
+    full = _decoding(_rank(1, [], COORD))
     for k in range(3):
         q = Sequence(f"1-{k}", list(range(2048)), SamplingParams(max_tokens=16))
-        busy.core.add(q)
-        busy.arrived(q, 0.0)
-    busy.core.max_num_seqs = 1
-    ranks = [_rank(0, [2048] * 3, COORD), busy]
+        full.core.add(q)
+        full.arrived(q, 0.0)
+    full.core.max_num_seqs = 1
+    ranks = [_rank(0, [2048] * 3, COORD), full]
     got = [_step(ranks, 0.01 * k) for k in range(6)]
     # capped while rank 1 can only add a few tokens, then forced after max_capped_steps
     assert got[0][0] < 2048
