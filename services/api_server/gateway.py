@@ -20,6 +20,7 @@ from redis.exceptions import OutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.api_server import lost_watch
+from services.api_server.alive_keeper import ALIVE_TTL_MS, AliveKeeper
 from shared import cancels
 from shared import keys as K
 from shared.bus import decode_entries, same_data, server_run_id
@@ -168,8 +169,12 @@ def engine_down_message(live: int, ranks: int, for_s: float, namespace: str) -> 
 
 class Gateway:
     def __init__(self, r: Any, keys: K.Keys, api_id: str, *, dispatch: str = "scheduler",
-                 policy: Any = None, log: Any = None, metrics: Any = None, engine_down_timeout_s: float = 0.0) -> None:
+                 policy: Any = None, log: Any = None, metrics: Any = None, engine_down_timeout_s: float = 0.0,
+                 redis_url: str | None = None) -> None:
         self.r, self.keys, self.api_id, self.log, self.metrics = r, keys, api_id, log, metrics
+        # the heartbeat key from a thread too, while the loop goes round (None: the loop's beat alone)
+        self.alive = AliveKeeper(redis_url, keys.api_alive(api_id), log) if redis_url else None
+        self._stop_alive: Callable[[], None] | None = None
         self.engine_down_timeout_s = engine_down_timeout_s   # 0: wait for the group however long
         self.client_dispatch = dispatch == "client"
         if self.client_dispatch and policy is not None and not hasattr(policy, "choose"):
@@ -200,6 +205,8 @@ class Gateway:
             self.policy.set_ranks(list(range(self.num_ranks)))
         self._tasks.append(asyncio.create_task(self._read_outputs()))
         self._tasks.append(asyncio.create_task(self._heartbeat()))
+        if self.alive is not None:
+            self._stop_alive = self.alive.start()
         self._tasks.append(asyncio.create_task(self._watch_lost()))
         if self.client_dispatch:
             # Only a replica that picks ranks needs every snapshot; the others read the
@@ -213,6 +220,8 @@ class Gateway:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._stop_alive is not None:   # before the key goes: the thread would write it again
+            await asyncio.to_thread(self._stop_alive)
         try:   # nobody will read this replica's stream again
             await self.r.delete(self.keys.out(self.api_id), self.keys.api_alive(self.api_id))
         except Exception:  # noqa: BLE001 - best effort on the way out
@@ -542,9 +551,11 @@ class Gateway:
         group's size and which of its ranks have a heartbeat (a group short of a rank for
         long ends the requests waiting)."""
         while True:
+            if self.alive is not None:
+                self.alive.mark_progress()
             try:
                 pipe = self.r.pipeline(transaction=False)
-                pipe.set(self.keys.api_alive(self.api_id), str(time.time()), px=3000)
+                pipe.set(self.keys.api_alive(self.api_id), str(time.time()), px=ALIVE_TTL_MS)
                 pipe.hmget(self.keys.snapshot, "queue_eta_ms", "queue_wait_ms", "queue_at")
                 pipe.hget(self.keys.cluster, "ranks")   # written after this replica started, maybe
                 for rank in range(self.num_ranks):   # one key each: their slots differ on Redis Cluster
