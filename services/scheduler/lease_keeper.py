@@ -14,12 +14,10 @@ one and stops the service for the other."""
 
 from __future__ import annotations
 
-import threading
-import time
-from typing import Any, Callable
+from typing import Any
 
 from shared import lease
-from shared.bus import connect_sync
+from shared.loop_keeper import LoopKeeper
 
 
 def stall_bound_s(lease_ms: int) -> float:
@@ -27,44 +25,13 @@ def stall_bound_s(lease_ms: int) -> float:
     return max(5.0, 5 * lease_ms / 1000)
 
 
-class LeaseKeeper:
+class LeaseKeeper(LoopKeeper):
+    stalled_event = "scheduler_stalled"
+
     def __init__(self, redis_url: str, key: str, token: str, lease_ms: int, log: Any) -> None:
-        self.url, self.key, self.token, self.lease_ms, self.log = redis_url, key, token, lease_ms, log
-        self.bound_s = stall_bound_s(lease_ms)
-        self.progress_t = time.monotonic()
+        super().__init__(redis_url, lease_ms / 3000, stall_bound_s(lease_ms), log, "lease-keeper")
+        self.key, self.token, self.lease_ms = key, token, lease_ms
 
-    def mark_progress(self) -> None:
-        """The event loop went round (its renewal task ran)."""
-        self.progress_t = time.monotonic()
-
-    def start(self) -> Callable[[], None]:
-        """Start the thread; returns what stops it (and waits for it, bounded)."""
-        done = threading.Event()
-        period = self.lease_ms / 3000
-
-        def keep() -> None:
-            client = connect_sync(self.url, timeout_s=max(0.5, period), connect_timeout_s=max(0.5, period))
-            stalled_said = False
-            try:
-                while not done.wait(period):
-                    stalled = time.monotonic() - self.progress_t
-                    if stalled > self.bound_s:
-                        if not stalled_said:     # let it lapse: a standby leads
-                            self.log.error("scheduler_stalled", stalled_s=round(stalled, 1), bound_s=self.bound_s)
-                            stalled_said = True
-                        continue
-                    stalled_said = False
-                    try:   # lost, or lapsed: left alone (the loop steps down, or takes it back and says so)
-                        lease.renew(client, self.key, self.token, self.lease_ms, reacquire=False)
-                    except Exception:  # noqa: BLE001 - Redis away: the loop's own renewal reports it
-                        pass
-            finally:
-                client.close()
-
-        thread = threading.Thread(target=keep, name="lease-keeper", daemon=True)
-        thread.start()
-
-        def stop() -> None:
-            done.set()
-            thread.join(2 * period + 1)
-        return stop
+    def renew(self, client: Any) -> None:
+        # lost, or lapsed: left alone (the loop steps down, or takes it back and says so)
+        lease.renew(client, self.key, self.token, self.lease_ms, reacquire=False)
