@@ -1,22 +1,25 @@
 """The api-server's admission bounds (services/api_server/admission.py), pure parts: the
 live 429 is tests/test_faults.py::test_queue_wait_bound_answers_429_with_retry_after_and_loses_nothing."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from services.api_server.admission import admit, retry_after_s
 from services.api_server.errors import ApiError
-from services.api_server.gateway import QUEUE_VIEW_FRESH_S, queue_wait_s
-from services.scheduler.queue_eta import QueueEta, RanksQueueEta, queue_eta_ms, queue_wait_ms
+from services.api_server.gateway import QUEUE_VIEW_FRESH_S, queue_wait_s, rate_or_zero
+from services.api_server.recent_admissions import RecentAdmissions
+from services.scheduler.queue_eta import QueueEta, RanksQueueEta, full_step_prefill_tps, queue_eta_ms, queue_wait_ms
 from shared.policy.base import RequestInfo
 from shared.policy.registry import make_policy
 from shared.stats import RankStats, Snapshot
 
 
-def _gw(wait, inflight=0, down_s=0.0, live=0):
+def _gw(wait, inflight=0, down_s=0.0, live=0, tps=0.0):
     return SimpleNamespace(queue_wait_s=wait, channels=dict.fromkeys(range(inflight)), keys=SimpleNamespace(ns="ls"),
-                           down_for=lambda now: down_s, ranks_live=live, num_ranks=4)
+                           down_for=lambda now: down_s, ranks_live=live, num_ranks=4, prefill_tps=tps,
+                           admitted=RecentAdmissions(QUEUE_VIEW_FRESH_S))
 
 
 def _settings(bound=10.0, inflight=100, down=30.0):
@@ -184,3 +187,64 @@ def test_a_carried_rank_row_is_not_counted_twice():
         ms = eta.update([Snapshot(0, step, step * 0.1, ranks, carried=(1,) if step > 1 else (), seq=step)],
                         step * 0.1)
     assert ms == pytest.approx(20_000 / 10_000 * 1000, rel=0.1)    # 10,000 tokens/s, not 20,000
+
+
+def test_a_young_backlog_waits_at_least_its_tokens_over_the_ranks_full_step_rate():
+    # a burst of 8,000 requests of 430 prompt tokens on ranks that prefill 6,800 tokens/s at
+    # most: about 500 s of work. A backlog younger than the window read the head's wait (a
+    # second or two), so the whole burst was admitted behind a 60 s bound (live, 4 torch
+    # ranks on CPU: 8,192 admitted, the rest refused only by max_inflight)
+    eta = QueueEta(window_s=5.0)
+    eta.observe(0, 8_000 * 430, 0.0)
+    assert eta.eta_ms(8_000 * 430, 1_500, 1.5) == 1_500                      # no rate known: the head's wait
+    assert eta.eta_ms(8_000 * 430, 1_500, 1.5, 6_800.0) == pytest.approx(8_000 * 430 / 6.8, rel=1e-3)
+    assert eta.eta_ms(6_800, 1_500, 1.5, 6_800.0) == 1_500                   # 1 s of work: the head's wait is more
+    ranks = RanksQueueEta(window_s=5.0)                                      # the ranks' own queues alike
+    snap = Snapshot(0, 1, 0.1, {r: RankStats(r, 0, 1, waiting=500, prefill_pending=170_000) for r in (0, 1)})
+    assert ranks.update([snap], 0.1) == 0
+    assert ranks.update([snap], 0.2, 6_800.0) == pytest.approx(340_000 / 6.8, rel=1e-3)
+
+
+def test_the_full_step_rate_is_the_ranks_reports_summed():
+    def snap(*tps):
+        return Snapshot(0, 1, 0.0, {r: RankStats(r, 0, 1, extra={} if v is None else {"prefill_tps": v})
+                                    for r, v in enumerate(tps)})
+    assert full_step_prefill_tps(snap(1_000, 3_000)) == 4_000
+    assert full_step_prefill_tps(snap(1_000, 3_000, None, None)) == 8_000   # not measured yet: the others' mean
+    assert full_step_prefill_tps(snap(None, None)) is None                 # none measured: no figure, not 0
+    assert full_step_prefill_tps(snap(0, "x")) is None and full_step_prefill_tps(None) is None
+
+
+def test_what_a_replica_admitted_since_the_last_figure_counts_toward_the_bound():
+    # the figure is read once a second; a burst inside that second was admitted whole
+    gw = _gw(1.0, tps=1_000.0)
+    for _ in range(9):                       # 1 s + 9 x 1,000 tokens at 1,000 tokens/s = 10 s
+        admit(gw, _settings(bound=10.0), tokens=1_000)
+    admit(gw, _settings(bound=10.0), tokens=1_000)   # 10 s: still at the bound
+    with pytest.raises(ApiError) as e:
+        admit(gw, _settings(bound=10.0), tokens=1_000)
+    assert e.value.status == 429 and e.value.headers == {"Retry-After": "1"}
+    gw.admitted.measured(time.time())        # a figure measured after them: they are in it now
+    assert gw.admitted.tokens == 0
+    admit(gw, _settings(bound=10.0), tokens=1_000)
+    admit(_gw(1.0), _settings(bound=10.0), tokens=10**9)   # no rate known: the figure alone
+    idle = _gw(None, tps=1_000.0)            # an idle group publishes no figure: what came since is the wait
+    admit(idle, _settings(bound=10.0), tokens=10_500)
+    with pytest.raises(ApiError):
+        admit(idle, _settings(bound=10.0), tokens=1)
+    admit(_gw(None), _settings(bound=10.0), tokens=10**9)  # neither known: the in-flight bound alone
+
+
+def test_recent_admissions_keep_only_what_a_fresh_figure_could_miss():
+    recent = RecentAdmissions(horizon_s=5.0)
+    recent.add(100, 10.0)
+    recent.add(200, 11.0)
+    recent.measured(10.5)
+    assert recent.tokens == 200
+    recent.add(50, 20.0)                     # 11.0 is older than the horizon: no figure misses it
+    assert recent.tokens == 50
+
+
+def test_a_malformed_rate_is_no_rate():
+    assert rate_or_zero(b"2012") == 2012.0
+    assert rate_or_zero(None) == rate_or_zero(b"x") == rate_or_zero(b"nan") == rate_or_zero(b"-5") == 0.0

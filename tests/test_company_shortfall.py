@@ -109,3 +109,14 @@ def test_rank_0s_shortfall_lowers_the_balance_a_step_must_keep():
 def test_company_prompts_is_checked():
     with pytest.raises(ValueError):
         BudgetConfig(company_prompts=-1.0)
+
+
+def test_a_rank_reports_the_prompt_tokens_per_second_of_its_full_steps():
+    # the scheduler's least wait for a young backlog (scheduler/queue_eta.py) divides by it
+    from services.engine_worker.outputs import _budget_state
+    rs = _rank_step(_cfg())
+    assert _budget_state(rs)["prefill_tps"] is None           # nothing measured: no figure, not 0
+    for _ in range(40):
+        rs.clock.observe(FULL, 130.0, FULL)
+        rs.clock.observe(FULL // 4, 40.0, FULL // 4)
+    assert _budget_state(rs)["prefill_tps"] == pytest.approx(FULL / 0.130, rel=0.05)

@@ -370,3 +370,19 @@ def test_where_the_steps_stay_small_a_prefill_starts_at_once():
     # a big prefill among small steps still waits its short wait for company, paced
     big_one = _group(LONE, traffic_tokens=6_000, steps=_small_steps(40), new_tokens=1500)
     assert 0 < _first_step(big_one)[0] < 1500
+
+
+def test_the_full_rate_is_known_from_the_first_big_step_before_any_fit():
+    # a burst on a fresh cluster: its first step is full on every rank, long before a fit
+    small = StepClock(2048)
+    small.observe(300, 100.0)                   # under half a full step: says nothing of a full one
+    assert small.full_rate_tps == 0.0
+    c = StepClock(2048)
+    c.observe(2048, 4000.0)                     # 4 torch ranks on 2 CPU cores: a 4 s full step
+    c.observe(2048, 4100.0, mean_tokens=1500)   # the ranks' mean is what they computed: slower
+    assert c.full_step_ms == 0.0 and c.full_rate_tps == pytest.approx(512.0)
+    fitted = StepClock(2048)
+    for _ in range(20):
+        fitted.observe(2048, 130.0)
+        fitted.observe(512, 40.0)
+    assert fitted.full_rate_tps == pytest.approx(2048 / 0.130, rel=0.02)

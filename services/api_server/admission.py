@@ -6,7 +6,8 @@ the request. Then two bounds, both settings of the api-server: ``max_queue_wait_
 while a new request would wait longer than this before its prefill starts (the scheduler's
 estimate: the prompt tokens ahead of it, unplaced and in the ranks' own queues, over the
 rate the ranks take them, published with each snapshot and read once a second by the
-replica's heartbeat; services/scheduler/queue_eta.py), it is refused; and ``max_inflight`` — requests
+replica's heartbeat; services/scheduler/queue_eta.py; plus what this replica admitted since
+that figure was measured, recent_admissions.py), it is refused; and ``max_inflight`` — requests
 in flight on this replica.
 Above capacity the first bound holds TTFT near ``max_queue_wait_s`` plus the prefill, where
 the second alone would let it grow to ``replicas x max_inflight / capacity``."""
@@ -43,9 +44,21 @@ def not_completed(ch: Any) -> ApiError:
     return ApiError(503, f"the request could not be completed: {ch.error or ch.finish}; retry it", code=ch.code)
 
 
-def admit(gw: Any, settings: Any, need: int = 1) -> None:
+def expected_wait_s(gw: Any) -> float | None:
+    """A new request's wait before its prefill starts: the scheduler's last figure, plus what
+    this replica admitted since over the most the ranks take a second (None: neither known).
+    An idle group publishes no figure (no step, no snapshot), so a burst after a quiet spell
+    found none and was admitted whole: then what it admitted is the whole wait."""
+    wait = gw.queue_wait_s
+    if not gw.prefill_tps:
+        return wait
+    return (wait or 0.0) + gw.admitted.tokens / gw.prefill_tps
+
+
+def admit(gw: Any, settings: Any, need: int = 1, tokens: int = 0) -> None:
     """Raise the 429 for a request that needs ``need`` in-flight slots, if it must wait
-    (the 503 of a replica that is shutting down)."""
+    (the 503 of a replica that is shutting down); count its ``tokens`` (prompt tokens, every
+    choice's) as admitted if not."""
     if getattr(gw, "closing", False):
         raise ApiError(503, SHUTTING_DOWN, code="shutting_down")
     down_s = gw.down_for(time.monotonic()) if hasattr(gw, "down_for") else 0.0
@@ -57,7 +70,7 @@ def admit(gw: Any, settings: Any, need: int = 1) -> None:
         raise ApiError(400, f"this request needs {need} in-flight slots (prompts x n, or best_of), more than this "
                        f"server's max_inflight ({settings.max_inflight}); send fewer choices or prompts per request",
                        param="n")
-    wait, bound = gw.queue_wait_s, settings.max_queue_wait_s
+    wait, bound = expected_wait_s(gw), settings.max_queue_wait_s
     if bound > 0 and wait is not None and wait > bound:
         raise ApiError(429, f"server busy: a new request would wait about {wait:.1f} s queued before its prefill, "
                        f"longer than this server's max_queue_wait_s ({bound:g} s); retry after the Retry-After delay",
@@ -67,6 +80,7 @@ def admit(gw: Any, settings: Any, need: int = 1) -> None:
             f"this request needs {need} of {settings.max_inflight} in-flight slots"
         raise ApiError(429, f"server busy: {what} on this replica; retry after the Retry-After delay",
                        code="overloaded", headers={"Retry-After": "1"})
+    gw.admitted.add(tokens, time.time())
 
 
 def retry_after_s(wait_s: float, bound_s: float) -> int:

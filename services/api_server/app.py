@@ -379,7 +379,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
                 log.warning("unknown_fields_ignored", fields=new, endpoint=endpoint)
             if not parsed.multi:   # (run_multi checks its n choices itself)
                 try:
-                    admit(gw, settings)
+                    admit(gw, settings, tokens=len(parsed.prompt))
                 except ApiError:
                     metrics.rejected.inc()
                     raise

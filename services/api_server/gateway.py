@@ -21,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.api_server import lost_watch
 from services.api_server.alive_keeper import ALIVE_TTL_MS, AliveKeeper
+from services.api_server.recent_admissions import RecentAdmissions
 from shared import cancels
 from shared import keys as K
 from shared.bus import decode_entries, same_data, server_run_id
@@ -147,6 +148,15 @@ def queue_wait_s(wait_ms: Any, at: Any, now: float) -> float | None:
     return wait / 1000.0 if now - t <= QUEUE_VIEW_FRESH_S else None
 
 
+def rate_or_zero(raw: Any) -> float:
+    """The scheduler's ``prefill_tps`` as a number (0.0: none, or not a finite positive one)."""
+    try:
+        v = float(raw or 0)
+    except (TypeError, ValueError):
+        return 0.0
+    return v if math.isfinite(v) and v > 0 else 0.0
+
+
 def client_policy(settings: Any, api_id: str) -> Any:
     """The policy a replica dispatches with in client-dispatch mode (None otherwise).
     Its dispatcher id carries the replica's incarnation (``api_id`` is per process)."""
@@ -191,6 +201,8 @@ class Gateway:
         self.num_ranks = 1
         self.run_id = ""
         self.queue_wait_s: float | None = None   # a new request's wait before its prefill starts, as of the last heartbeat
+        self.prefill_tps = 0.0                    # the most prompt tokens/s the ranks take (0: not measured)
+        self.admitted = RecentAdmissions(QUEUE_VIEW_FRESH_S)   # admitted since queue_wait_s was measured
         self.ranks_live: int | None = None        # ranks with a heartbeat, as of the last one (None: unknown)
         self.redis_refusal: str | None = None     # why the last heartbeat's write failed (a full Redis answers PING)
         self.down_since: float | None = None      # monotonic: since when fewer than every rank has been live
@@ -556,14 +568,17 @@ class Gateway:
             try:
                 pipe = self.r.pipeline(transaction=False)
                 pipe.set(self.keys.api_alive(self.api_id), str(time.time()), px=ALIVE_TTL_MS)
-                pipe.hmget(self.keys.snapshot, "queue_eta_ms", "queue_wait_ms", "queue_at")
+                pipe.hmget(self.keys.snapshot, "queue_eta_ms", "queue_wait_ms", "queue_at", "prefill_tps")
                 pipe.hget(self.keys.cluster, "ranks")   # written after this replica started, maybe
                 for rank in range(self.num_ranks):   # one key each: their slots differ on Redis Cluster
                     pipe.exists(self.keys.rank_alive(rank))
-                _, (eta_ms, wait_ms, at), ranks, *alive = await pipe.execute()
+                _, (eta_ms, wait_ms, at, tps), ranks, *alive = await pipe.execute()
                 self.redis_refusal = None
                 # a new request's expected wait; the head's own wait from a scheduler older than the ETA
                 self.queue_wait_s = queue_wait_s(eta_ms if eta_ms is not None else wait_ms, at, time.time())
+                if self.queue_wait_s is not None:
+                    self.admitted.measured(float(at))
+                self.prefill_tps = rate_or_zero(tps)
                 if ranks and int(ranks) != self.num_ranks:
                     self.num_ranks = int(ranks)
                 else:

@@ -90,7 +90,7 @@ async def run_multi(request: Any, p: ParsedRequest, gw: Gateway, rid: str, api_i
                     metrics: Any) -> Response:
     subs = plan(p, rid)
     try:
-        admit(gw, settings, len(subs))
+        admit(gw, settings, len(subs), tokens=sum(len(s.prompt) for s in subs))
     except ApiError:
         metrics.rejected.inc()
         raise

@@ -172,13 +172,17 @@ def _budget_state(rs: Any) -> dict[str, float | None]:
     """What coordinated prefill judges by (each rank's report on the stats stream): the
     measured full step, its busiest-rank and shared ms per token, the share of the
     group's time its prefill would take alone, and how long its long prompts are (what a
-    shorter one may wait for); null until the steps or prompts allow one (never a made-up 0)."""
+    shorter one may wait for); null until the steps or prompts allow one (never a made-up 0).
+    ``prefill_tps``, the tokens/s of its full steps (step_clock.py ``full_rate_tps``), is the
+    most a backlog drains at here: the scheduler's least queue wait (scheduler/queue_eta.py)."""
     if rs is None or rs.clock is None:
         return {}
     c = rs.clock
     long_prompt = {"long_prompt_tokens": rs.long_prompt_tokens()}
+    rate = {"prefill_tps": round(c.full_rate_tps) if c.full_rate_tps > 0 else None}
     if c.full_step_ms <= 0:
-        return {"full_step_ms": None, "token_ms": None, "shared_token_ms": None, "lone_share": None, **long_prompt}
-    return {"full_step_ms": round(c.full_step_ms, 2), "token_ms": round(c.token_ms, 4),
+        return {"full_step_ms": None, "token_ms": None, "shared_token_ms": None, "lone_share": None,
+                **rate, **long_prompt}
+    return {"full_step_ms": round(c.full_step_ms, 2), **rate, "token_ms": round(c.token_ms, 4),
             "shared_token_ms": round(c.shared_ms, 4), "lone_share": round(rs.lone_share(time.monotonic()), 3),
             **long_prompt}

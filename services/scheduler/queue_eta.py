@@ -75,12 +75,36 @@ class QueueEta:
             return
         self._meter.add(new, now)
 
-    def eta_ms(self, waiting: int, head_wait_ms: int, now: float) -> int:
+    def eta_ms(self, waiting: int, head_wait_ms: int, now: float, most_per_s: float | None = None) -> int:
+        """``most_per_s``: the most the ranks could take a second (:func:`full_step_prefill_tps`,
+        in this meter's units), or None. A backlog younger than the window is not measured
+        yet, but it cannot drain faster than that: of a burst of 10,000 requests on 4 CPU
+        ranks 8,192 were admitted, over an hour's work, because the head had waited only
+        seconds (2026-12-07)."""
         if waiting <= 0:
             return 0
+        least = least_wait_ms(waiting, most_per_s)
         if self._since is None or self._meter is None or now - self._since < self.window_s:
-            return head_wait_ms
-        return queue_eta_ms(waiting, self._meter.rate(now), head_wait_ms)
+            return max(head_wait_ms, least)
+        return max(queue_eta_ms(waiting, self._meter.rate(now), head_wait_ms), least)
+
+
+def least_wait_ms(waiting: float, most_per_s: float | None) -> int:
+    """How long ``waiting`` takes at the most the ranks can take a second (0 when unknown)."""
+    return int(waiting / most_per_s * 1000) if most_per_s else 0
+
+
+def full_step_prefill_tps(snap: Any) -> float | None:
+    """The prompt tokens/s the group computes in full steps: each rank's ``prefill_tps`` (its
+    full-step rate, step_clock.py ``full_rate_tps``; engine_worker/outputs.py),
+    summed, a rank that has measured none counted at the others' mean. The most any backlog
+    drains at. None until a rank has measured a full step (or with coordinated prefill off,
+    where no rank measures one)."""
+    if snap is None or not snap.ranks:
+        return None
+    rates = [float(v) for v in (r.extra.get("prefill_tps") for r in snap.ranks.values())
+             if isinstance(v, (int, float)) and v > 0]
+    return sum(rates) / len(rates) * len(snap.ranks) if rates else None
 
 
 class RanksQueueEta:
@@ -99,11 +123,12 @@ class RanksQueueEta:
         self._eta = QueueEta(window_s)
         self._computed = 0    # prompt tokens the ranks computed, a running total
 
-    def update(self, snaps: list[Any], now: float) -> int:
-        """Take the snapshots finalized since the last call (oldest first); the ETA in ms."""
+    def update(self, snaps: list[Any], now: float, most_per_s: float | None = None) -> int:
+        """Take the snapshots finalized since the last call (oldest first); the ETA in ms
+        (``most_per_s``: the group's full-step prompt tokens/s, as for :class:`QueueEta`)."""
         for snap in snaps:   # a carried rank's row is an old report again: counted once
             self._computed += sum(r.prefill for rank, r in snap.ranks.items() if rank not in snap.carried)
         newest = snaps[-1].ranks.values() if snaps else ()
         queued = sum(r.waiting for r in newest)
         self._eta.observe(self._computed, queued, now)
-        return self._eta.eta_ms(sum(r.prefill_pending for r in newest) if queued else 0, 0, now)
+        return self._eta.eta_ms(sum(r.prefill_pending for r in newest) if queued else 0, 0, now, most_per_s)

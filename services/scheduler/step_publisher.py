@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.scheduler.queue_eta import QueueEta, RanksQueueEta, queue_wait_ms
+from services.scheduler.queue_eta import QueueEta, RanksQueueEta, full_step_prefill_tps, queue_wait_ms
 from services.scheduler.state import SchedulerState
 from shared import keys as K
 from shared.bus import decode_entries
@@ -58,6 +58,7 @@ class StepPublisher:
         newest = snaps[-1]
         blob = encode(newest)
         now = time.time()
+        most_tps = full_step_prefill_tps(newest)   # the fastest any backlog drains, in prompt tokens/s
         tokens = getattr(st.policy, "unplaced_tokens", None)
         if tokens is None:   # a policy that does not count tokens: requests
             waiting, placed = int(getattr(st.policy, "unplaced", 0) or 0), st.counters.get("dispatched", 0)
@@ -66,10 +67,13 @@ class StepPublisher:
         self._eta.observe(placed, waiting, now)
         head_ms = queue_wait_ms(st.policy, now)
         # a new request waits here unplaced, then in a rank's queue
-        eta_ms = self._eta.eta_ms(waiting, head_ms, now) + self._ranks_eta.update(snaps, now)
+        eta_ms = (self._eta.eta_ms(waiting, head_ms, now, most_tps if tokens is not None else None)
+                  + self._ranks_eta.update(snaps, now, most_tps))
+        # prefill_tps: what each api-server divides the prompt tokens it admitted since by
         pipe.hset(self.keys.snapshot, mapping={"json": blob, "seq": newest.seq, "wave": newest.wave,
                                                "step": newest.step, "t": newest.t,
-                                               "queue_wait_ms": head_ms, "queue_eta_ms": eta_ms, "queue_at": now})
+                                               "queue_wait_ms": head_ms, "queue_eta_ms": eta_ms, "queue_at": now,
+                                               "prefill_tps": round(most_tps or 0)})
         pipe.publish(self.keys.snapshot, blob)
         st.last_snapshot = newest
         st.counters["snapshots"] += len(snaps)
