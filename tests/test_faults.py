@@ -272,6 +272,44 @@ def test_a_group_out_of_kv_keeps_its_backlog_where_the_queue_wait_bound_sees_it(
         cluster.stop()
 
 
+def test_a_burst_inside_the_heartbeat_is_judged_by_its_size(tmp_path):
+    """300 prompts of 2,000 tokens at once, about 20 s of prefill for 2 sim ranks, behind a
+    2 s bound. The queue's figure read the head's wait for a backlog's first 5 s and is read
+    once a second, so the whole burst was admitted (no 429 at all). Now the figure is never
+    under the queued tokens over the ranks' full-step rate, and each replica counts what it
+    admitted since: most of the burst gets a 429, and every request admitted completes whole."""
+    os.environ["LOCKSTEP_MAX_QUEUE_WAIT_S"] = "2"
+    try:
+        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim")
+    finally:
+        os.environ.pop("LOCKSTEP_MAX_QUEUE_WAIT_S", None)
+    body = {"model": MODEL, "prompt": "x " * 1000, "max_tokens": 4, "ignore_eos": True}
+    r = redis.Redis.from_url(cluster.redis_url)
+
+    async def scenario() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
+        async with httpx.AsyncClient(base_url=cluster.api_url, timeout=120, limits=limits) as client:
+            # warm-up: full prefill steps on both ranks time the group's full-step rate
+            warm = await asyncio.gather(*[client.post("/completions", json=body) for _ in range(8)])
+            assert [w.status_code for w in warm] == [200] * 8
+            await wait_until(lambda: asyncio.to_thread(
+                lambda: float(r.hget(Keys(cluster.namespace).snapshot, "prefill_tps") or 0) > 0), 30)
+            return await asyncio.wait_for(asyncio.gather(*[client.post("/completions", json=body)
+                                                           for _ in range(300)]), 180)
+
+    try:
+        done = asyncio.run(scenario())
+        codes = [x.status_code for x in done]
+        assert set(codes) <= {200, 429}, codes
+        assert codes.count(429) > 150, f"{codes.count(429)} of 300 refused: the burst was admitted whole"
+        refused = next(x for x in done if x.status_code == 429)
+        assert refused.json()["error"]["code"] == "overloaded" and 1 <= int(refused.headers["retry-after"]) <= 60
+        assert all(x.json()["usage"]["completion_tokens"] == 4 for x in done if x.status_code == 200)
+    finally:
+        r.close()
+        cluster.stop()
+
+
 def test_api_keys(tmp_path):
     os.environ["LOCKSTEP_API_KEYS"] = "key-one,key-two"
     try:
