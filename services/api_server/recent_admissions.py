@@ -10,7 +10,7 @@ class RecentAdmissions:
     """The prompt tokens this replica admitted after the scheduler measured its queue: they
     wait behind that queue, but the figure, read once a second, does not show them yet. A
     burst inside that second was admitted whole up to ``max_inflight`` (10,000 requests at
-    once on 4 CPU ranks: 8,192 admitted, about an hour's work behind a 60 s bound,
+    once on 4 CPU ranks: 8,192 admitted, over an hour's work behind a 60 s bound,
     2026-12-07). Each is counted until a figure measured after it is read; none kept
     longer than ``horizon_s`` (a figure that old is no figure). Pure: time passed in."""
 

@@ -70,10 +70,14 @@ class StepPublisher:
         eta_ms = (self._eta.eta_ms(waiting, head_ms, now, most_tps if tokens is not None else None)
                   + self._ranks_eta.update(snaps, now, most_tps))
         # prefill_tps: what each api-server divides the prompt tokens it admitted since by
+        # (absent, not 0, until a rank has measured it)
+        rate = {"prefill_tps": round(most_tps)} if most_tps else {}
         pipe.hset(self.keys.snapshot, mapping={"json": blob, "seq": newest.seq, "wave": newest.wave,
                                                "step": newest.step, "t": newest.t,
                                                "queue_wait_ms": head_ms, "queue_eta_ms": eta_ms, "queue_at": now,
-                                               "prefill_tps": round(most_tps or 0)})
+                                               **rate})
+        if not rate:
+            pipe.hdel(self.keys.snapshot, "prefill_tps")
         pipe.publish(self.keys.snapshot, blob)
         st.last_snapshot = newest
         st.counters["snapshots"] += len(snaps)
