@@ -139,3 +139,42 @@ def test_a_stream_redis_did_not_take_is_a_503_before_any_event(tmp_path):
             admin.config_set("maxmemory", "0")
             client.close()
             cluster.stop()
+
+
+def test_a_connection_lost_while_reading_the_replies_is_tried_again():
+    """A Redis Cluster pipeline whose primary is killed as it reads the replies returns a
+    ConnectionError as each reply (``raise_on_error=False``) instead of raising: the submit
+    took them for refusals, and 12 requests failed with a 503 in one of three failovers
+    (tests/test_redis_cluster.py::test_killed_primary_mid_run_loses_nothing). Now such a
+    reply is tried again like a raised one; a refusal (out of memory) is not."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import OutOfMemoryError
+
+    class Pipe:
+        def __init__(self, replies: list) -> None:
+            self.replies = replies
+
+        async def execute(self, raise_on_error: bool = True) -> list:
+            return self.replies
+
+    async def flow() -> tuple[list, int, list, int]:
+        gw = Gateway(None, K.Keys("retry"), "apiretry")
+        lost = [[RedisConnectionError("Error while reading: Connection reset by peer")] * 2, [b"1-0", b"1-1"]]
+        built = []
+
+        def build() -> Pipe:
+            built.append(1)
+            return Pipe(lost[len(built) - 1])
+        replies = await asyncio.wait_for(gw._execute_submit(build, raise_on_error=False), 10)
+        full = [OutOfMemoryError("OOM command not allowed"), b"2-0"]
+        tries = []
+
+        def build_full() -> Pipe:
+            tries.append(1)
+            return Pipe(full)
+        refused = await asyncio.wait_for(gw._execute_submit(build_full, raise_on_error=False), 10)
+        return replies, len(built), refused, len(tries)
+
+    replies, built, refused, tries = asyncio.run(flow())
+    assert replies == [b"1-0", b"1-1"] and built == 2
+    assert isinstance(refused[0], Exception) and tries == 1

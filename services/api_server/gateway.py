@@ -361,17 +361,24 @@ class Gateway:
         (a Redis restart, a failover) for ``SUBMIT_RETRY_S``: each request failed at once
         with a 503 before. A write that landed before the connection dropped is sent twice;
         the second copy is dropped where it arrives (the scheduler, or a rank, keeps one
-        request per id and epoch). A full Redis (OOM) is not waited out: it fails at once."""
+        request per id and epoch). A full Redis (OOM) is not waited out: it fails at once.
+        Without ``raise_on_error`` a connection lost while reading the replies comes back as
+        each reply (a Cluster pipeline whose primary was killed: 12 requests failed with a
+        503 in one of three failovers): tried again the same way."""
         deadline = time.monotonic() + SUBMIT_RETRY_S
         wait = 0.05
         while True:
             try:
-                return await build().execute(raise_on_error=raise_on_error)   # (emptied by its execute)
+                replies = await build().execute(raise_on_error=raise_on_error)   # (emptied by its execute)
+                if not any(isinstance(r, SUBMIT_RETRYABLE) for r in replies):
+                    return replies
+                if time.monotonic() + wait > deadline or self.closing:
+                    return replies
             except SUBMIT_RETRYABLE:
                 if time.monotonic() + wait > deadline or self.closing:
                     raise
-                await asyncio.sleep(wait)
-                wait = min(0.5, wait * 2)
+            await asyncio.sleep(wait)
+            wait = min(0.5, wait * 2)
 
     # ------------------------------------------------------------------ outputs
     async def _read_outputs(self) -> None:
