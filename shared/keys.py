@@ -5,11 +5,12 @@ Redis. docs/redis-keys.md documents each key (type, writer, reader, TTL); a test
 that every key built here appears there.
 
 Redis Cluster: the keys that meet in one atomic operation carry the hash tag ``{<ns>}``
-(the dispatch slot): the request stream, the rank inboxes, the wake stream and the pause
-marker. The scheduler acks a request in the same MULTI/EXEC that writes it to an inbox,
-the wake script reads ``paused`` and writes ``wave`` in that transaction, and a paused
-rank reads its inbox and ``wave`` in one XREAD: Cluster refuses each of these across
-slots. Every other key has no tag, so the busy independent streams (``out``, ``stats``,
+(the dispatch slot): the request stream, the rank inboxes, the wake stream, the pause
+marker and the admitted-token counters. The scheduler acks a request in the same
+MULTI/EXEC that writes it to an inbox, the wake script reads ``paused`` and writes
+``wave`` in that transaction, a paused rank reads its inbox and ``wave`` in one XREAD,
+and client dispatch counts its admissions in its inbox transaction: Cluster refuses
+each of these across slots. Every other key has no tag, so the busy independent streams (``out``, ``stats``,
 ``steps``) and the per-request and per-rank keys spread over the cluster.
 """
 
@@ -77,6 +78,13 @@ class Keys:
         (shared/cancels.py). The rank pops it every step: its inbox stays unread while its
         waiting queue is full, and an abort behind the backlog would wait there."""
         return f"{self.dispatch_tag}:rank:{rank}:cancels"
+
+    def admitted(self, bucket: int) -> str:
+        """String counter with PX TTL: the prompt tokens every api-server admitted in one
+        quarter second (bucket = epoch s // 0.25; services/api_server/recent_admissions.py),
+        INCRBY'd in each submit round trip: what a burst added since the scheduler last
+        measured its queue. Tagged: it rides in the submit transaction of client dispatch."""
+        return f"{self.dispatch_tag}:admitted:{bucket}"
 
     def out(self, api_id: str) -> str:
         """Stream: token deltas for the requests of one api-server."""
@@ -203,7 +211,7 @@ class Keys:
     def all_patterns(self) -> list[str]:
         """Every key shape, with placeholders, for docs and ``lockstep`` inspection."""
         return [
-            self.requests, self.inbox("{r}"), self.cancels("{r}"), self.out("{api}"), self.req("{id}"),  # type: ignore[arg-type]
+            self.requests, self.inbox("{r}"), self.cancels("{r}"), self.admitted("{bucket}"), self.out("{api}"), self.req("{id}"),  # type: ignore[arg-type]
             self.step_reports("{wave}", "{step}"), self.stats, self.snapshot, self.steps,  # type: ignore[arg-type]
             self.batch("{id}"), self.rank_alive("{r}"), self.rank_info("{r}"),  # type: ignore[arg-type]
             self.spare("{token}"), self.vacancies, self.dist, self.wave, self.paused, self.leader, self.incarnation, self.scheduler, self.api_alive("{api}"),

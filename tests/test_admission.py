@@ -9,8 +9,9 @@ import pytest
 from services.api_server.admission import admit, retry_after_s
 from services.api_server.errors import ApiError
 from services.api_server.gateway import QUEUE_VIEW_FRESH_S, queue_wait_s, rate_or_zero
-from services.api_server.recent_admissions import RecentAdmissions
-from services.scheduler.queue_eta import QueueEta, RanksQueueEta, full_step_prefill_tps, queue_eta_ms, queue_wait_ms
+from services.api_server.recent_admissions import RecentAdmissions, bucket_of
+from services.scheduler.queue_eta import (QueueEta, RanksQueueEta, full_step_prefill_tps, full_step_seq_rps, queue_eta_ms,
+                                         queue_wait_ms)
 from shared.policy.base import RequestInfo
 from shared.policy.registry import make_policy
 from shared.stats import RankStats, Snapshot
@@ -18,7 +19,7 @@ from shared.stats import RankStats, Snapshot
 
 def _gw(wait, inflight=0, down_s=0.0, live=0, tps=0.0):
     return SimpleNamespace(queue_wait_s=wait, channels=dict.fromkeys(range(inflight)), keys=SimpleNamespace(ns="ls"),
-                           down_for=lambda now: down_s, ranks_live=live, num_ranks=4, prefill_tps=tps,
+                           down_for=lambda now: down_s, ranks_live=live, num_ranks=4, prefill_tps=tps, seq_rps=0.0,
                            admitted=RecentAdmissions(QUEUE_VIEW_FRESH_S))
 
 
@@ -248,3 +249,78 @@ def test_recent_admissions_keep_only_what_a_fresh_figure_could_miss():
 def test_a_malformed_rate_is_no_rate():
     assert rate_or_zero(b"2012") == 2012.0
     assert rate_or_zero(None) == rate_or_zero(b"x") == rate_or_zero(b"nan") == rate_or_zero(b"-5") == 0.0
+
+
+def test_every_replicas_admissions_count_toward_the_bound():
+    # two replicas, each counting only its own, admitted a burst split between them twice
+    # over; the Redis counter's reply says what all of them admitted
+    recent = RecentAdmissions(horizon_s=5.0)
+    recent.measured(100.0)
+    recent.add(1_000, 100.1)
+    sending = recent.take_unsent()
+    assert sending == (1_000, 1) and recent.tokens == 1_000 and recent.requests == 1   # in flight: still counted
+    recent.sent(sending, bucket_of(100.1), (5_000, 4))            # the others admitted 4,000 in that bucket
+    assert recent.tokens == 5_000 and recent.requests == 4
+    recent.group_read({bucket_of(100.6): (3_000, 3), bucket_of(100.1): (4_500, 3)}, 100.7)   # never lowers one
+    assert recent.tokens == 8_000 and recent.requests == 7
+    recent.add(500, 100.8, requests=2)                             # not yet sent: on top of the group's
+    assert recent.tokens == 8_500 and recent.requests == 9
+    recent.measured(100.6)                                         # a figure from 100.6 holds the older bucket
+    assert recent.tokens == 3_500 and recent.requests == 5
+    recent.sent(recent.take_unsent())                              # a failed add: nothing learnt, nothing lost
+    assert recent.tokens == 3_000 and recent.requests == 3
+    recent.group_read({bucket_of(99.0): (10**6, 10)}, 100.9)       # older than the last figure: in it already
+    assert recent.tokens == 3_000
+    recent.add(1, 200.0)                                           # long after: no figure misses any of it
+    assert recent.tokens == 1 and recent.requests == 1
+
+
+def test_requests_admitted_since_count_at_the_rate_the_slots_free():
+    # short prompts wait for a sequence slot, not for prompt tokens: 10,000 chat requests at
+    # once on 4 sim ranks, 2,848 admitted behind a 10 s bound (10 s of prompt tokens) waited
+    # 17 / 28 s (p50 / p90) for their first token
+    gw = _gw(0.0, tps=60_000.0)
+    gw.seq_rps = 100.0                                             # 100 requests/s free a slot
+    for _ in range(1_001):                                         # 200 tokens each: 3.3 s of prompt tokens,
+        admit(gw, _settings(bound=10.0, inflight=5_000), tokens=200)   # 10 s of slots (the last at the bound)
+    with pytest.raises(ApiError) as e:
+        admit(gw, _settings(bound=10.0, inflight=5_000), tokens=200)
+    assert e.value.status == 429
+    gw = _gw(0.0, tps=0.0)
+    gw.seq_rps = 100.0                                             # the slots' rate alone is a rate too
+    for _ in range(1_001):
+        admit(gw, _settings(bound=10.0, inflight=5_000), tokens=10**6)
+    with pytest.raises(ApiError):
+        admit(gw, _settings(bound=10.0, inflight=5_000))
+
+
+def test_a_queue_of_short_prompts_waits_at_least_its_requests_over_the_slots_rate():
+    # 2,000 requests of 200 tokens: 6.7 s of prompt tokens at 60,000 tokens/s, but 20 s of
+    # slots at 100 requests/s
+    eta = QueueEta(window_s=5.0)
+    eta.observe(0, 400_000, 0.0)
+    assert eta.eta_ms(400_000, 0, 0.5, 60_000.0) == pytest.approx(6_667, abs=1)
+    assert eta.eta_ms(400_000, 0, 0.5, 60_000.0, 2_000, 100.0) == 20_000
+    ranks = RanksQueueEta(window_s=5.0)                      # the ranks' own queues alike
+    snap = Snapshot(0, 1, 0.1, {r: RankStats(r, 0, 1, waiting=1_000, prefill_pending=200_000) for r in (0, 1)})
+    assert ranks.update([snap], 0.1) == 0
+    assert ranks.update([snap], 0.2, 60_000.0, 100.0) == 20_000
+
+
+def test_the_slots_rate_is_the_ranks_reports_summed():
+    snap = Snapshot(0, 1, 0.0, {r: RankStats(r, 0, 1, extra={"seq_rps": v} if v else {})
+                                for r, v in enumerate((30.0, None))})
+    assert full_step_seq_rps(snap) == 60.0
+
+
+def test_the_other_replicas_are_taken_to_admit_as_much_until_their_count_is_read():
+    # a burst reaches every replica at once, before any reply: 3,000 requests on 2 replicas,
+    # each admitted 1,500, twice the bound's worth, with its own count alone
+    recent = RecentAdmissions(horizon_s=5.0, replicas=2)
+    recent.measured(100.0)
+    for _ in range(10):
+        recent.add(100, 100.1)
+    assert recent.tokens == 2_000 and recent.requests == 20
+    sending = recent.take_unsent()
+    recent.sent(sending, bucket_of(100.1), (1_000, 10))          # the reply: the other admitted none
+    assert recent.tokens == 1_000 and recent.requests == 10

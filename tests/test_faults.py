@@ -277,10 +277,11 @@ def test_a_burst_inside_the_heartbeat_is_judged_by_its_size(tmp_path):
     2 s bound. The queue's figure read the head's wait for a backlog's first 5 s and is read
     once a second, so the whole burst was admitted (no 429 at all). Now the figure is never
     under the queued tokens over the ranks' full-step rate, and each replica counts what it
-    admitted since: most of the burst gets a 429, and every request admitted completes whole."""
+    admitted since: most of the burst gets a 429, and every request admitted completes whole.
+    The two replicas count their admissions in Redis, where each reads what all admitted."""
     os.environ["LOCKSTEP_MAX_QUEUE_WAIT_S"] = "2"
     try:
-        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim")
+        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "2", "--backend", "sim")
     finally:
         os.environ.pop("LOCKSTEP_MAX_QUEUE_WAIT_S", None)
     body = {"model": MODEL, "prompt": "x " * 1000, "max_tokens": 4, "ignore_eos": True}
@@ -294,14 +295,21 @@ def test_a_burst_inside_the_heartbeat_is_judged_by_its_size(tmp_path):
             assert [w.status_code for w in warm] == [200] * 8
             await wait_until(lambda: asyncio.to_thread(
                 lambda: float(r.hget(Keys(cluster.namespace).snapshot, "prefill_tps") or 0) > 0), 30)
-            return await asyncio.wait_for(asyncio.gather(*[client.post("/completions", json=body)
-                                                           for _ in range(300)]), 180)
+            def counts() -> dict[bytes, int]:   # the group's admitted tokens, by bucket
+                keys = r.keys(Keys(cluster.namespace).admitted("*"))
+                return {k: int(r.hget(k, "tokens") or 0) for k in keys}
+            before = counts()   # the warm-up's buckets (one may expire during the burst)
+            burst = await asyncio.wait_for(asyncio.gather(*[client.post("/completions", json=body)
+                                                            for _ in range(300)]), 180)
+            return burst, sum(v - before.get(k, 0) for k, v in counts().items())
 
     try:
-        done = asyncio.run(scenario())
+        done, counted = asyncio.run(scenario())
         codes = [x.status_code for x in done]
         assert set(codes) <= {200, 429}, codes
         assert codes.count(429) > 150, f"{codes.count(429)} of 300 refused: the burst was admitted whole"
+        # every replica's admissions in the group's count (its keys live 10 s: the burst takes ~3)
+        assert counted == sum(x.json()["usage"]["prompt_tokens"] for x in done if x.status_code == 200)
         refused = next(x for x in done if x.status_code == 429)
         assert refused.json()["error"]["code"] == "overloaded" and 1 <= int(refused.headers["retry-after"]) <= 60
         assert all(x.json()["usage"]["completion_tokens"] == 4 for x in done if x.status_code == 200)

@@ -6,7 +6,7 @@ the request. Then two bounds, both settings of the api-server: ``max_queue_wait_
 while a new request would wait longer than this before its prefill starts (the scheduler's
 estimate: the prompt tokens ahead of it, unplaced and in the ranks' own queues, over the
 rate the ranks take them, published with each snapshot and read once a second by the
-replica's heartbeat; services/scheduler/queue_eta.py; plus what this replica admitted since
+replica's heartbeat; services/scheduler/queue_eta.py; plus what the replicas admitted since
 that figure was measured, recent_admissions.py), it is refused; and ``max_inflight`` — requests
 in flight on this replica.
 Above capacity the first bound holds TTFT near ``max_queue_wait_s`` plus the prefill, where
@@ -46,13 +46,15 @@ def not_completed(ch: Any) -> ApiError:
 
 def expected_wait_s(gw: Any) -> float | None:
     """A new request's wait before its prefill starts: the scheduler's last figure, plus what
-    this replica admitted since over the most the ranks take a second (None: neither known).
+    the replicas admitted since over the most the ranks take a second, in prompt tokens or,
+    where the sequence slots bound it first, in requests (None: neither known).
     An idle group publishes no figure (no step, no snapshot), so a burst after a quiet spell
     found none and was admitted whole: then what it admitted is the whole wait."""
-    wait = gw.queue_wait_s
-    if not gw.prefill_tps:
-        return wait
-    return (wait or 0.0) + gw.admitted.tokens / gw.prefill_tps
+    tps, rps = gw.prefill_tps, getattr(gw, "seq_rps", 0.0)
+    if not tps and not rps:
+        return gw.queue_wait_s
+    since = max(gw.admitted.tokens / tps if tps else 0.0, gw.admitted.requests / rps if rps else 0.0)
+    return (gw.queue_wait_s or 0.0) + since
 
 
 def admit(gw: Any, settings: Any, need: int = 1, tokens: int = 0) -> None:
@@ -80,7 +82,7 @@ def admit(gw: Any, settings: Any, need: int = 1, tokens: int = 0) -> None:
             f"this request needs {need} of {settings.max_inflight} in-flight slots"
         raise ApiError(429, f"server busy: {what} on this replica; retry after the Retry-After delay",
                        code="overloaded", headers={"Retry-After": "1"})
-    gw.admitted.add(tokens, time.time())
+    gw.admitted.add(tokens, time.time(), need)
 
 
 def retry_after_s(wait_s: float, bound_s: float) -> int:

@@ -21,7 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.api_server import lost_watch
 from services.api_server.alive_keeper import ALIVE_TTL_MS, AliveKeeper
-from services.api_server.recent_admissions import RecentAdmissions
+from services.api_server.recent_admissions import RecentAdmissions, bucket_of
 from shared import cancels
 from shared import keys as K
 from shared.bus import decode_entries, same_data, server_run_id
@@ -35,6 +35,7 @@ from shared import trace
 
 HEARTBEAT_S = 1.0
 QUEUE_VIEW_FRESH_S = 5.0     # an older queue figure is no figure (the scheduler stopped publishing)
+ADMITTED_TTL_MS = int(QUEUE_VIEW_FRESH_S * 1000) + 5_000   # a count no figure could miss any more
 FOLLOW_BACKOFF_MIN_S = 0.1   # snapshot follower: first retry after a lost connection
 FOLLOW_BACKOFF_MAX_S = 5.0   # ... doubling up to this
 # A gap in a request's token stream (deltas lost in a Redis failover: written to the old
@@ -202,6 +203,7 @@ class Gateway:
         self.run_id = ""
         self.queue_wait_s: float | None = None   # a new request's wait before its prefill starts, as of the last heartbeat
         self.prefill_tps = 0.0                    # the most prompt tokens/s the ranks take (0: not measured)
+        self.seq_rps = 0.0                        # the most requests/s their slots let them finish (0: alike)
         self.admitted = RecentAdmissions(QUEUE_VIEW_FRESH_S)   # admitted since queue_wait_s was measured
         self.ranks_live: int | None = None        # ranks with a heartbeat, as of the last one (None: unknown)
         self.redis_refusal: str | None = None     # why the last heartbeat's write failed (a full Redis answers PING)
@@ -317,6 +319,9 @@ class Gateway:
         to_inbox = self.client_dispatch and any(rid is not None and stream != self.keys.requests
                                                 for stream, _, rid, _ in writes)
         at: list[int] = []     # each write's xadd among the pipeline's replies
+        # what this replica admitted, added to every replica's count (recent_admissions.py)
+        admitted = self.admitted.take_unsent()
+        bucket = bucket_of(time.time())
 
         def build() -> Any:
             pipe = self.r.pipeline(transaction=to_inbox)
@@ -331,6 +336,11 @@ class Gateway:
                 n += 1
             if to_inbox:
                 wake_if_paused(pipe, self.keys)
+            if admitted[1]:   # last: its three replies at the end
+                key = self.keys.admitted(bucket)
+                pipe.hincrby(key, "tokens", admitted[0])
+                pipe.hincrby(key, "requests", admitted[1])
+                pipe.pexpire(key, ADMITTED_TTL_MS)
             return pipe
 
         try:
@@ -340,6 +350,8 @@ class Gateway:
             replies = await self._execute_submit(build, raise_on_error=to_inbox)
         except Exception as exc:  # noqa: BLE001 - the requests fail, the server stays up
             replies = [exc] * (at[-1] + 1 if at else 0)
+        totals = tuple(replies[-3:-1]) if admitted[1] and len(replies) >= 3 else ()
+        self.admitted.sent(admitted, bucket, totals if all(isinstance(v, int) for v in totals) and totals else None)
         refused = [r for r in (replies[i] for i in at) if isinstance(r, Exception)]
         if refused:
             if self.metrics is not None:
@@ -575,17 +587,27 @@ class Gateway:
             try:
                 pipe = self.r.pipeline(transaction=False)
                 pipe.set(self.keys.api_alive(self.api_id), str(time.time()), px=ALIVE_TTL_MS)
-                pipe.hmget(self.keys.snapshot, "queue_eta_ms", "queue_wait_ms", "queue_at", "prefill_tps")
-                pipe.hget(self.keys.cluster, "ranks")   # written after this replica started, maybe
+                pipe.hmget(self.keys.snapshot, "queue_eta_ms", "queue_wait_ms", "queue_at", "prefill_tps", "seq_rps")
+                now = time.time()   # every replica's admissions in the last QUEUE_VIEW_FRESH_S
+                buckets = list(range(bucket_of(now - QUEUE_VIEW_FRESH_S), bucket_of(now) + 1))
+                for b in buckets:
+                    pipe.hmget(self.keys.admitted(b), "tokens", "requests")
+                pipe.hmget(self.keys.cluster, "ranks", "api_servers")   # written after this replica started, maybe
                 for rank in range(self.num_ranks):   # one key each: their slots differ on Redis Cluster
                     pipe.exists(self.keys.rank_alive(rank))
-                _, (eta_ms, wait_ms, at, tps), ranks, *alive = await pipe.execute()
+                _, (eta_ms, wait_ms, at, tps, rps), *rest = await pipe.execute()
+                group, ((ranks, replicas), *alive) = rest[:len(buckets)], rest[len(buckets):]
+                if replicas and int(replicas) > 0:
+                    self.admitted.replicas = int(replicas)
                 self.redis_refusal = None
+                self.admitted.group_read({b: (int(t or 0), int(n or 0)) for b, (t, n) in zip(buckets, group)
+                                          if n is not None}, now)
                 # a new request's expected wait; the head's own wait from a scheduler older than the ETA
                 self.queue_wait_s = queue_wait_s(eta_ms if eta_ms is not None else wait_ms, at, time.time())
                 if self.queue_wait_s is not None:
                     self.admitted.measured(float(at))
                 self.prefill_tps = rate_or_zero(tps)
+                self.seq_rps = rate_or_zero(rps)
                 if ranks and int(ranks) != self.num_ranks:
                     self.num_ranks = int(ranks)
                 else:

@@ -97,7 +97,7 @@ class Outputs:
             extra={"gate_full": st.gate.released_full, "gate_timeout": st.gate.released_timeout,
                    "preemptions": st.core.num_preemptions, "reforms": self.member.reforms, "gen": self.member.gen,
                    "round_trips": st.round_trips, "exchange_s": round(st.exchange_s, 6),
-                   "comm_s": round(getattr(st.backend, "comm_seconds", 0.0), 6), **_budget_state(st.rs),
+                   "comm_s": round(getattr(st.backend, "comm_seconds", 0.0), 6), **_budget_state(st.rs, st.turnover),
                    **(extra or {})},
             prefill_pending=pending, kv_blocked=st.core.kv_blocked())
 
@@ -137,6 +137,8 @@ class Outputs:
             by_api[seq.api].append(delta)
             if out.finish_reason is not None:
                 finished += 1
+                if st.turnover is not None:
+                    st.turnover.finished(len(seq.prompt), len(seq.generated))
                 acks.append(st.forget(seq.id))
                 self.log.debug("request_finished", request_id=seq.id, wave=st.wave, step=st.step,
                                finish=out.finish_reason, tokens=len(seq.generated))
@@ -168,18 +170,22 @@ class Outputs:
         return finished
 
 
-def _budget_state(rs: Any) -> dict[str, float | None]:
+def _budget_state(rs: Any, turnover: Any = None) -> dict[str, float | None]:
     """What coordinated prefill judges by (each rank's report on the stats stream): the
     measured full step, its busiest-rank and shared ms per token, the share of the
     group's time its prefill would take alone, and how long its long prompts are (what a
     shorter one may wait for); null until the steps or prompts allow one (never a made-up 0).
     ``prefill_tps``, the tokens/s of its full steps (step_clock.py ``full_rate_tps``), is the
-    most a backlog drains at here: the scheduler's least queue wait (scheduler/queue_eta.py)."""
+    most a backlog drains at here, and ``seq_rps`` the most requests/s its slots let it finish
+    at that pace (slot_turnover.py): the scheduler's least queue wait (scheduler/queue_eta.py)."""
     if rs is None or rs.clock is None:
         return {}
     c = rs.clock
     long_prompt = {"long_prompt_tokens": rs.long_prompt_tokens()}
-    rate = {"prefill_tps": round(c.full_rate_tps) if c.full_rate_tps > 0 else None}
+    full_ms = c.max_tokens * 1000.0 / c.full_rate_tps if c.full_rate_tps > 0 else 0.0
+    seq_rps = turnover.per_s(full_ms) if turnover is not None else 0.0
+    rate = {"prefill_tps": round(c.full_rate_tps) if c.full_rate_tps > 0 else None,
+            "seq_rps": round(seq_rps, 2) if seq_rps > 0 else None}
     if c.full_step_ms <= 0:
         return {"full_step_ms": None, "token_ms": None, "shared_token_ms": None, "lone_share": None,
                 **rate, **long_prompt}

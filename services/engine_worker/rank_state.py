@@ -15,6 +15,7 @@ from services.engine_worker.guided import Guides
 from services.engine_worker.rank_step import RankStep
 from services.engine_worker.recv_marks import RecvMarks
 from services.engine_worker.sequence import Sequence
+from services.engine_worker.slot_turnover import SlotTurnover
 from services.engine_worker.step_logprobs import StepLogprobs
 
 
@@ -30,6 +31,7 @@ class RankState:
     wave: int = 0
     step: int = 0
     backend: Any = None          # set once the group formed (torch runner or SimBackend)
+    turnover: SlotTurnover | None = None   # the requests it can finish a step (outputs.py reports it)
     metrics: Any = None
     # per request (ingest.py adds, forget() drops)
     entry_of: dict[str, bytes] = field(default_factory=dict)    # seq id -> inbox entry id (acked at finish)

@@ -36,6 +36,7 @@ from services.engine_worker.membership import (ClaimFailed, GroupLost, GroupMemb
 from services.engine_worker.outputs import Outputs
 from services.engine_worker.pause import Pause
 from services.engine_worker.rank_state import RankState
+from services.engine_worker.slot_turnover import SlotTurnover
 from services.engine_worker.rank_step import RankStep
 from services.engine_worker.step_budget import from_settings as budget_from_settings
 from services.engine_worker.step_view import F_STOP
@@ -73,7 +74,9 @@ class EngineWorker:
             max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len)
         gate = BatchGate(rank=max(0, settings.rank), timeout_s=settings.gate_timeout_ms * settings.wait_scale / 1000)
         rs = RankStep(max(0, settings.rank), core, gate, budget_from_settings(settings))
-        self.state = RankState(settings.rank, core, gate, rs)
+        turnover = SlotTurnover(settings.max_num_seqs, settings.max_num_batched_tokens,
+                                settings.num_kv_blocks * settings.block_size)
+        self.state = RankState(settings.rank, core, gate, rs, turnover=turnover)
 
     # ------------------------------------------------------------------ start-up
     async def run(self) -> int:

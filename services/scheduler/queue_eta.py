@@ -75,15 +75,18 @@ class QueueEta:
             return
         self._meter.add(new, now)
 
-    def eta_ms(self, waiting: int, head_wait_ms: int, now: float, most_per_s: float | None = None) -> int:
+    def eta_ms(self, waiting: int, head_wait_ms: int, now: float, most_per_s: float | None = None,
+               requests: int = 0, most_rps: float | None = None) -> int:
         """``most_per_s``: the most the ranks could take a second (:func:`full_step_prefill_tps`,
         in this meter's units), or None. A backlog younger than the window is not measured
         yet, but it cannot drain faster than that: of a burst of 10,000 requests on 4 CPU
         ranks 8,192 were admitted, over an hour's work, because the head had waited only
-        seconds (2026-12-07)."""
+        seconds (2026-12-07). Nor can its ``requests`` go faster than the ranks' slots
+        let requests finish (``most_rps``, :func:`full_step_seq_rps`): short prompts wait
+        for a slot, not for prompt tokens."""
         if waiting <= 0:
             return 0
-        least = least_wait_ms(waiting, most_per_s)
+        least = max(least_wait_ms(waiting, most_per_s), least_wait_ms(requests, most_rps))
         if self._since is None or self._meter is None or now - self._since < self.window_s:
             return max(head_wait_ms, least)
         return max(queue_eta_ms(waiting, self._meter.rate(now), head_wait_ms), least)
@@ -100,9 +103,22 @@ def full_step_prefill_tps(snap: Any) -> float | None:
     summed, a rank that has measured none counted at the others' mean. The most any backlog
     drains at. None until a rank has measured a full step (or with coordinated prefill off,
     where no rank measures one)."""
+    return _summed(snap, "prefill_tps")
+
+
+def full_step_seq_rps(snap: Any) -> float | None:
+    """The requests/s the group's sequence slots let it finish at its full-step pace: each
+    rank's ``seq_rps`` (engine_worker/slot_turnover.py), summed the same way (None until a
+    rank has finished a request and measured a full step)."""
+    return _summed(snap, "seq_rps")
+
+
+def _summed(snap: Any, field: str) -> float | None:
+    """The ranks' ``field`` (a rate in their report's extra) summed, a rank that has
+    measured none counted at the others' mean; None when none has."""
     if snap is None or not snap.ranks:
         return None
-    rates = [float(v) for v in (r.extra.get("prefill_tps") for r in snap.ranks.values())
+    rates = [float(v) for v in (r.extra.get(field) for r in snap.ranks.values())
              if isinstance(v, (int, float)) and v > 0]
     return sum(rates) / len(rates) * len(snap.ranks) if rates else None
 
@@ -123,12 +139,15 @@ class RanksQueueEta:
         self._eta = QueueEta(window_s)
         self._computed = 0    # prompt tokens the ranks computed, a running total
 
-    def update(self, snaps: list[Any], now: float, most_per_s: float | None = None) -> int:
+    def update(self, snaps: list[Any], now: float, most_per_s: float | None = None,
+               most_rps: float | None = None) -> int:
         """Take the snapshots finalized since the last call (oldest first); the ETA in ms
-        (``most_per_s``: the group's full-step prompt tokens/s, as for :class:`QueueEta`)."""
+        (``most_per_s``: the group's full-step prompt tokens/s, ``most_rps`` the requests/s
+        its slots let it finish, as for :class:`QueueEta`)."""
         for snap in snaps:   # a carried rank's row is an old report again: counted once
             self._computed += sum(r.prefill for rank, r in snap.ranks.items() if rank not in snap.carried)
         newest = snaps[-1].ranks.values() if snaps else ()
         queued = sum(r.waiting for r in newest)
         self._eta.observe(self._computed, queued, now)
-        return self._eta.eta_ms(sum(r.prefill_pending for r in newest) if queued else 0, 0, now, most_per_s)
+        return self._eta.eta_ms(sum(r.prefill_pending for r in newest) if queued else 0, 0, now, most_per_s,
+                                queued, most_rps)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.scheduler.queue_eta import QueueEta, RanksQueueEta, full_step_prefill_tps, queue_wait_ms
+from services.scheduler.queue_eta import (QueueEta, RanksQueueEta, full_step_prefill_tps, full_step_seq_rps,
+                                         queue_wait_ms)
 from services.scheduler.state import SchedulerState
 from shared import keys as K
 from shared.bus import decode_entries
@@ -59,25 +60,30 @@ class StepPublisher:
         blob = encode(newest)
         now = time.time()
         most_tps = full_step_prefill_tps(newest)   # the fastest any backlog drains, in prompt tokens/s
+        most_rps = full_step_seq_rps(newest)       # and in requests/s, as the slots free
+        unplaced = int(getattr(st.policy, "unplaced", 0) or 0)
         tokens = getattr(st.policy, "unplaced_tokens", None)
         if tokens is None:   # a policy that does not count tokens: requests
-            waiting, placed = int(getattr(st.policy, "unplaced", 0) or 0), st.counters.get("dispatched", 0)
+            waiting, placed = unplaced, st.counters.get("dispatched", 0)
+            least = (None, unplaced, most_rps)
         else:
             waiting, placed = int(tokens), st.counters.get("dispatched_tokens", 0)
+            least = (most_tps, unplaced, most_rps)
         self._eta.observe(placed, waiting, now)
         head_ms = queue_wait_ms(st.policy, now)
         # a new request waits here unplaced, then in a rank's queue
-        eta_ms = (self._eta.eta_ms(waiting, head_ms, now, most_tps if tokens is not None else None)
-                  + self._ranks_eta.update(snaps, now, most_tps))
-        # prefill_tps: what each api-server divides the prompt tokens it admitted since by
-        # (absent, not 0, until a rank has measured it)
-        rate = {"prefill_tps": round(most_tps)} if most_tps else {}
+        eta_ms = (self._eta.eta_ms(waiting, head_ms, now, *least)
+                  + self._ranks_eta.update(snaps, now, most_tps, most_rps))
+        # prefill_tps, seq_rps: what each api-server divides the prompt tokens and requests
+        # admitted since by (absent, not 0, until a rank has measured them)
+        rates = {k: v for k, v in (("prefill_tps", round(most_tps or 0)), ("seq_rps", round(most_rps or 0, 2))) if v}
         pipe.hset(self.keys.snapshot, mapping={"json": blob, "seq": newest.seq, "wave": newest.wave,
                                                "step": newest.step, "t": newest.t,
                                                "queue_wait_ms": head_ms, "queue_eta_ms": eta_ms, "queue_at": now,
-                                               **rate})
-        if not rate:
-            pipe.hdel(self.keys.snapshot, "prefill_tps")
+                                               **rates})
+        unknown = [k for k in ("prefill_tps", "seq_rps") if k not in rates]
+        if unknown:
+            pipe.hdel(self.keys.snapshot, *unknown)
         pipe.publish(self.keys.snapshot, blob)
         st.last_snapshot = newest
         st.counters["snapshots"] += len(snaps)
