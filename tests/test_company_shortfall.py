@@ -120,3 +120,15 @@ def test_a_rank_reports_the_prompt_tokens_per_second_of_its_full_steps():
         rs.clock.observe(FULL, 130.0, FULL)
         rs.clock.observe(FULL // 4, 40.0, FULL // 4)
     assert _budget_state(rs)["prefill_tps"] == pytest.approx(FULL / 0.130, rel=0.05)
+
+
+def test_a_rank_reports_the_requests_per_second_its_slots_let_it_finish():
+    from services.engine_worker.outputs import _budget_state
+    from services.engine_worker.slot_turnover import SlotTurnover
+    rs = _rank_step(_cfg())
+    slots = SlotTurnover(max_num_seqs=128, max_tokens=FULL, kv_tokens=10**7)
+    assert _budget_state(rs, slots)["seq_rps"] is None         # nothing measured: no figure, not 0
+    slots.finished(200, 40)
+    assert _budget_state(rs, slots)["seq_rps"] is None         # no full step known yet
+    rs.clock.prior_ms = 130.0                                  # the sim's model of one
+    assert _budget_state(rs, slots)["seq_rps"] == pytest.approx(128 / 40 / 0.130, rel=0.01)

@@ -318,6 +318,43 @@ def test_a_burst_inside_the_heartbeat_is_judged_by_its_size(tmp_path):
         cluster.stop()
 
 
+def test_a_burst_on_a_cluster_that_has_served_nothing_is_judged_by_its_size(tmp_path):
+    """The same burst on a fresh sim cluster: no rank had timed a full step, so there was
+    no rate to judge it by and it was admitted whole (10,000 chat requests: 8,192, the
+    max_inflight bound, first token up to 82 s behind a 10 s bound). A sim rank now
+    reports its cost model's full step until it has measured one."""
+    os.environ["LOCKSTEP_MAX_QUEUE_WAIT_S"] = "2"
+    try:
+        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim")
+    finally:
+        os.environ.pop("LOCKSTEP_MAX_QUEUE_WAIT_S", None)
+    body = {"model": MODEL, "prompt": "x " * 1000, "max_tokens": 4, "ignore_eos": True}
+    r = redis.Redis.from_url(cluster.redis_url)
+
+    async def scenario() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
+        async with httpx.AsyncClient(base_url=cluster.api_url, timeout=120, limits=limits) as client:
+            # the ranks' first reports carry a rate (then the replica's next heartbeat reads it)
+            try:
+                await wait_until(lambda: asyncio.to_thread(
+                    lambda: float(r.hget(Keys(cluster.namespace).snapshot, "prefill_tps") or 0) > 0), 30)
+            except AssertionError:
+                raise AssertionError("a fresh cluster publishes no prefill_tps: a burst would be admitted whole")
+            await asyncio.sleep(1.5)   # (the heartbeat's period: no event to await in another process)
+            return await asyncio.wait_for(asyncio.gather(*[client.post("/completions", json=body)
+                                                           for _ in range(300)]), 180)
+
+    try:
+        done = asyncio.run(scenario())
+        codes = [x.status_code for x in done]
+        assert set(codes) <= {200, 429}, codes
+        assert codes.count(429) > 150, f"{codes.count(429)} of 300 refused: the burst was admitted whole"
+        assert all(x.json()["usage"]["completion_tokens"] == 4 for x in done if x.status_code == 200)
+    finally:
+        r.close()
+        cluster.stop()
+
+
 def test_api_keys(tmp_path):
     os.environ["LOCKSTEP_API_KEYS"] = "key-one,key-two"
     try:

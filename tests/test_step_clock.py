@@ -386,3 +386,14 @@ def test_the_full_rate_is_known_from_the_first_big_step_before_any_fit():
         fitted.observe(2048, 130.0)
         fitted.observe(512, 40.0)
     assert fitted.full_rate_tps == pytest.approx(2048 / 0.130, rel=0.02)
+
+
+def test_the_engines_own_model_is_the_rate_until_a_step_is_measured():
+    # the sim's cost model knows its full step: a burst on a cluster that had served
+    # nothing met no rate and was admitted whole (10,000 at once: 8,192, up to 82 s)
+    c = StepClock(max_tokens=2048)
+    assert c.full_rate_tps == 0.0
+    c.prior_ms = 128.0
+    assert c.full_rate_tps == 16_000.0
+    c.observe(2048, 256.0)                      # a measured step, slower: it wins
+    assert c.full_rate_tps == 8_000.0

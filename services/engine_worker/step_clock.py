@@ -44,7 +44,7 @@ SMALL_SHARE = 0.25  # full step (mean + 2 spreads): its prefills are small (``sm
 
 class StepClock:
     __slots__ = ("max_tokens", "_decay", "_n", "_w2", "_x", "_m", "_y", "_xx", "_mm", "_xm", "_xy", "_my",
-                 "_yy", "_fit", "_slope", "_shared", "_seen", "_best_tps")
+                 "_yy", "_fit", "_slope", "_shared", "_seen", "_best_tps", "prior_ms")
 
     def __init__(self, max_tokens: int, halflife_steps: float = 2000.0) -> None:
         if max_tokens < 1 or halflife_steps <= 0:
@@ -59,6 +59,9 @@ class StepClock:
         self._shared = 0.0  # its ms per token of the ranks' mean
         self._seen = 0      # steps observed
         self._best_tps = 0.0   # the most tokens/s a rank computed in a step of half a full step or more
+        # a full step as the engine's own model says, before any is measured (the sim's cost
+        # model; 0.0: none): a burst on a cluster that had served nothing was admitted whole
+        self.prior_ms = 0.0
 
     def observe(self, tokens: int, dur_ms: float, mean_tokens: float | None = None) -> None:
         """A step whose busiest rank computed ``tokens`` (the ranks ``mean_tokens`` on
@@ -131,10 +134,15 @@ class StepClock:
     def full_rate_tps(self) -> float:
         """The tokens/s a rank computes in full steps: ``max_tokens`` over the fitted full
         step; before a fit, the fastest step in which the ranks computed half a full step or
-        more (0.0: neither yet). The most a backlog drains at. Before a fit only: a fast big
-        step seen once says little of a loaded host (4 torch ranks on 2 CPU cores: 6,300
-        tokens/s in one step, 530 fitted once every core was busy)."""
-        return self.max_tokens * 1000.0 / self._fit if self._fit > 0 else self._best_tps
+        more; before either, the engine's own model of a full step (``prior_ms``; 0.0: none
+        of these yet). The most a backlog drains at. Before a fit only: a fast big step seen
+        once says little of a loaded host (4 torch ranks on 2 CPU cores: 6,300 tokens/s in
+        one step, 530 fitted once every core was busy)."""
+        if self._fit > 0:
+            return self.max_tokens * 1000.0 / self._fit
+        if self._best_tps > 0 or self.prior_ms <= 0:
+            return self._best_tps
+        return self.max_tokens * 1000.0 / self.prior_ms
 
     @property
     def small_steps(self) -> bool:

@@ -74,6 +74,9 @@ class EngineWorker:
             max_num_seqs=settings.max_num_seqs, max_model_len=settings.max_model_len)
         gate = BatchGate(rank=max(0, settings.rank), timeout_s=settings.gate_timeout_ms * settings.wait_scale / 1000)
         rs = RankStep(max(0, settings.rank), core, gate, budget_from_settings(settings))
+        if rs.clock is not None and settings.backend == "sim":   # its full step is the cost model's
+            cap = settings.max_num_batched_tokens
+            rs.clock.prior_ms = self.cost.step_ms(cap, 0, cap) * settings.time_scale
         turnover = SlotTurnover(settings.max_num_seqs, settings.max_num_batched_tokens,
                                 settings.num_kv_blocks * settings.block_size)
         self.state = RankState(settings.rank, core, gate, rs, turnover=turnover)
