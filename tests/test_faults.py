@@ -334,7 +334,11 @@ def test_a_burst_on_a_cluster_that_has_served_nothing_is_judged_by_its_size(tmp_
     async def scenario() -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
         async with httpx.AsyncClient(base_url=cluster.api_url, timeout=120, limits=limits) as client:
-            # the ranks' first reports carry a rate (then the replica's next heartbeat reads it)
+            # one small request (no full step to time): a step's reports carry the rate, and
+            # the snapshot is published (the pause reports of a group that formed before the
+            # scheduler led are not read), then the replica's next heartbeat reads it
+            small = await client.post("/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+            assert small.status_code == 200
             try:
                 await wait_until(lambda: asyncio.to_thread(
                     lambda: float(r.hget(Keys(cluster.namespace).snapshot, "prefill_tps") or 0) > 0), 30)
