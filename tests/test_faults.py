@@ -272,91 +272,82 @@ def test_a_group_out_of_kv_keeps_its_backlog_where_the_queue_wait_bound_sees_it(
         cluster.stop()
 
 
-def test_a_burst_inside_the_heartbeat_is_judged_by_its_size(tmp_path):
+BURST_BODY = {"model": MODEL, "prompt": "x " * 1000, "max_tokens": 4, "ignore_eos": True}
+
+
+def _burst(tmp_path, api_servers: int, warm: dict) -> tuple[list[httpx.Response], int]:
     """300 prompts of 2,000 tokens at once, about 20 s of prefill for 2 sim ranks, behind a
-    2 s bound. The queue's figure read the head's wait for a backlog's first 5 s and is read
-    once a second, so the whole burst was admitted (no 429 at all). Now the figure is never
-    under the queued tokens over the ranks' full-step rate, and each replica counts what it
-    admitted since: most of the burst gets a 429, and every request admitted completes whole.
-    The two replicas count their admissions in Redis, where each reads what all admitted."""
+    2 s bound, once 8 requests like ``warm`` have run and every replica has read a rate
+    (``GET /health``). The answers, and the prompt tokens the group's shared count of
+    admissions gained meanwhile; each answer is checked whole."""
     os.environ["LOCKSTEP_MAX_QUEUE_WAIT_S"] = "2"
     try:
-        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "2", "--backend", "sim")
+        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", str(api_servers), "--backend", "sim")
     finally:
         os.environ.pop("LOCKSTEP_MAX_QUEUE_WAIT_S", None)
-    body = {"model": MODEL, "prompt": "x " * 1000, "max_tokens": 4, "ignore_eos": True}
     r = redis.Redis.from_url(cluster.redis_url)
+    health = cluster.api_url.rsplit("/v1", 1)[0] + "/health"
+    rated: set[str] = set()
 
-    async def scenario() -> list[httpx.Response]:
+    def every_replica_has_a_rate() -> bool:   # a new connection each time: the kernel spreads them
+        view = httpx.get(health, timeout=5).json()
+        if view["admission"]["prefill_tps"]:
+            rated.add(view["api_id"])
+        return len(rated) == api_servers
+
+    def counts() -> dict[bytes, int]:   # the group's admitted prompt tokens, by bucket
+        return {k: int(r.hget(k, "tokens") or 0) for k in r.keys(Keys(cluster.namespace).admitted("*"))}
+
+    async def scenario() -> tuple[list[httpx.Response], int]:
         limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
         async with httpx.AsyncClient(base_url=cluster.api_url, timeout=120, limits=limits) as client:
-            # warm-up: full prefill steps on both ranks time the group's full-step rate
-            warm = await asyncio.gather(*[client.post("/completions", json=body) for _ in range(8)])
-            assert [w.status_code for w in warm] == [200] * 8
-            await wait_until(lambda: asyncio.to_thread(
-                lambda: float(r.hget(Keys(cluster.namespace).snapshot, "prefill_tps") or 0) > 0), 30)
-            def counts() -> dict[bytes, int]:   # the group's admitted tokens, by bucket
-                keys = r.keys(Keys(cluster.namespace).admitted("*"))
-                return {k: int(r.hget(k, "tokens") or 0) for k in keys}
-            before = counts()   # the warm-up's buckets (one may expire during the burst)
-            burst = await asyncio.wait_for(asyncio.gather(*[client.post("/completions", json=body)
+            first = await asyncio.gather(*[client.post("/completions", json=warm) for _ in range(8)])
+            assert [w.status_code for w in first] == [200] * 8
+            try:
+                await wait_until(lambda: asyncio.to_thread(every_replica_has_a_rate), 30, interval=0.1)
+            except AssertionError:
+                raise AssertionError(f"{len(rated)} of {api_servers} replicas know a rate: a burst would be "
+                                     "admitted whole") from None
+            before = counts()   # the warm-up's buckets (one may expire during the burst: they live 10 s)
+            burst = await asyncio.wait_for(asyncio.gather(*[client.post("/completions", json=BURST_BODY)
                                                             for _ in range(300)]), 180)
             return burst, sum(v - before.get(k, 0) for k, v in counts().items())
 
     try:
         done, counted = asyncio.run(scenario())
-        codes = [x.status_code for x in done]
-        assert set(codes) <= {200, 429}, codes
-        assert codes.count(429) > 150, f"{codes.count(429)} of 300 refused: the burst was admitted whole"
-        # every replica's admissions in the group's count (its keys live 10 s: the burst takes ~3)
-        assert counted == sum(x.json()["usage"]["prompt_tokens"] for x in done if x.status_code == 200)
-        refused = next(x for x in done if x.status_code == 429)
-        assert refused.json()["error"]["code"] == "overloaded" and 1 <= int(refused.headers["retry-after"]) <= 60
-        assert all(x.json()["usage"]["completion_tokens"] == 4 for x in done if x.status_code == 200)
     finally:
         r.close()
         cluster.stop()
+    codes = [x.status_code for x in done]
+    assert set(codes) <= {200, 429}, codes
+    refused = [x for x in done if x.status_code == 429]
+    assert all(x.json()["error"]["code"] == "overloaded" and 1 <= int(x.headers["retry-after"]) <= 60 for x in refused)
+    assert all(x.json()["usage"]["completion_tokens"] == 4 for x in done if x.status_code == 200)
+    return done, counted
+
+
+def test_a_burst_inside_the_heartbeat_is_judged_by_its_size(tmp_path):
+    """The queue's figure read the head's wait for a backlog's first 5 s and is read once a
+    second, so the whole burst was admitted (no 429 at all). Now the figure is never under
+    the queued tokens over the ranks' full-step rate, and each replica counts what was
+    admitted since: most of the burst gets a 429, and every request admitted completes
+    whole. The two replicas count their admissions in Redis, where each reads what all
+    admitted."""
+    done, counted = _burst(tmp_path, 2, BURST_BODY)   # warm-up: full prefill steps time the rate
+    codes = [x.status_code for x in done]
+    assert codes.count(429) > 150, f"{codes.count(429)} of 300 refused: the burst was admitted whole"
+    assert counted == sum(x.json()["usage"]["prompt_tokens"] for x in done if x.status_code == 200)
 
 
 def test_a_burst_on_a_cluster_that_has_served_nothing_is_judged_by_its_size(tmp_path):
-    """The same burst on a fresh sim cluster: no rank had timed a full step, so there was
-    no rate to judge it by and it was admitted whole (10,000 chat requests: 8,192, the
-    max_inflight bound, first token up to 82 s behind a 10 s bound). A sim rank now
-    reports its cost model's full step until it has measured one."""
-    os.environ["LOCKSTEP_MAX_QUEUE_WAIT_S"] = "2"
-    try:
-        cluster = start_cluster(tmp_path, "--ranks", "2", "--api-servers", "1", "--backend", "sim")
-    finally:
-        os.environ.pop("LOCKSTEP_MAX_QUEUE_WAIT_S", None)
-    body = {"model": MODEL, "prompt": "x " * 1000, "max_tokens": 4, "ignore_eos": True}
-    r = redis.Redis.from_url(cluster.redis_url)
-
-    async def scenario() -> list[httpx.Response]:
-        limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
-        async with httpx.AsyncClient(base_url=cluster.api_url, timeout=120, limits=limits) as client:
-            # one small request (no full step to time): a step's reports carry the rate, and
-            # the snapshot is published (the pause reports of a group that formed before the
-            # scheduler led are not read), then the replica's next heartbeat reads it
-            small = await client.post("/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
-            assert small.status_code == 200
-            try:
-                await wait_until(lambda: asyncio.to_thread(
-                    lambda: float(r.hget(Keys(cluster.namespace).snapshot, "prefill_tps") or 0) > 0), 30)
-            except AssertionError:
-                raise AssertionError("a fresh cluster publishes no prefill_tps: a burst would be admitted whole")
-            await asyncio.sleep(1.5)   # (the heartbeat's period: no event to await in another process)
-            return await asyncio.wait_for(asyncio.gather(*[client.post("/completions", json=body)
-                                                           for _ in range(300)]), 180)
-
-    try:
-        done = asyncio.run(scenario())
-        codes = [x.status_code for x in done]
-        assert set(codes) <= {200, 429}, codes
-        assert codes.count(429) > 150, f"{codes.count(429)} of 300 refused: the burst was admitted whole"
-        assert all(x.json()["usage"]["completion_tokens"] == 4 for x in done if x.status_code == 200)
-    finally:
-        r.close()
-        cluster.stop()
+    """The same burst on a fresh sim cluster, whose ranks have computed only a few small
+    requests: none had timed a full step, so there was no rate to judge it by and it was
+    admitted whole (10,000 chat requests: 8,192, the max_inflight bound, first token up to
+    82 s behind a 10 s bound). A sim rank now reports its cost model's full step until it
+    has measured one."""
+    done, _ = _burst(tmp_path, 1, {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    codes = [x.status_code for x in done]
+    assert codes.count(429) > 150, f"{codes.count(429)} of 300 refused: the burst was admitted whole"
 
 
 def test_api_keys(tmp_path):

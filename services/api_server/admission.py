@@ -57,6 +57,16 @@ def expected_wait_s(gw: Any) -> float | None:
     return (gw.queue_wait_s or 0.0) + since
 
 
+def admission_view(gw: Any) -> dict[str, Any]:
+    """What this replica judges new requests by, as of its last heartbeat (``GET /health``):
+    the queue's wait, the rates, what was admitted since, the wait a new request would
+    have; null where not known."""
+    wait = expected_wait_s(gw)
+    return {"queue_wait_s": gw.queue_wait_s, "prefill_tps": gw.prefill_tps or None,
+            "seq_rps": gw.seq_rps or None, "admitted_tokens": gw.admitted.tokens,
+            "admitted_requests": gw.admitted.requests, "expected_wait_s": None if wait is None else round(wait, 3)}
+
+
 def admit(gw: Any, settings: Any, need: int = 1, tokens: int = 0) -> None:
     """Raise the 429 for a request that needs ``need`` in-flight slots, if it must wait
     (the 503 of a replica that is shutting down); count its ``tokens`` (prompt tokens, every

@@ -19,7 +19,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
-from services.api_server.admission import admit, not_completed, ran_out
+from services.api_server.admission import admission_view, admit, not_completed, ran_out
 from services.api_server.errors import ApiError, error_response
 from services.api_server.gateway import Gateway, RequestChannel, client_policy
 from services.api_server.choice import feed as _feed, final, prompt_part, text_tokens as _text_tokens, with_reasoning
@@ -257,7 +257,7 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         except Exception:  # noqa: BLE001
             return _json({"status": "unhealthy", "redis": False, "api_id": api_id}, 503)
         return _json({"status": "ok", "redis": True, "api_id": api_id, "inflight": len(gw.channels),
-                      "ranks": gw.num_ranks, "ranks_live": gw.ranks_live})
+                      "ranks": gw.num_ranks, "ranks_live": gw.ranks_live, "admission": admission_view(gw)})
 
     @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready() -> Response:
