@@ -131,4 +131,5 @@ def test_a_rank_reports_the_requests_per_second_its_slots_let_it_finish():
     slots.finished(200, 40)
     assert _budget_state(rs, slots)["seq_rps"] is None         # no full step known yet
     rs.clock.prior_ms = 130.0                                  # the sim's model of one
-    assert _budget_state(rs, slots)["seq_rps"] == pytest.approx(128 / 40 / 0.130, rel=0.01)
+    step_ms = 130.0 * (128 + 3.2 * 200) / FULL                # every slot's decode and 3.2 prompts a step
+    assert _budget_state(rs, slots)["seq_rps"] == pytest.approx(3.2 * 1000 / step_ms, rel=0.01)

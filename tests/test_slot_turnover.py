@@ -15,8 +15,22 @@ def test_slots_over_the_steps_a_request_holds_one():
     for _ in range(100):
         t.finished(prompt_tokens=200, generated=40)          # one prefill step rides with the first token
     assert t.per_step == pytest.approx(128 / 40)
-    assert t.per_s(130.0) == pytest.approx(128 / 40 * 1000 / 130)
+    # a step computes every slot's decode and 3.2 new prompts: 768 tokens of a 2,048 step
+    assert t.step_tokens == pytest.approx(128 + 3.2 * 200)
+    assert t.per_s(130.0) == pytest.approx(3.2 * 1000 / (130 * 768 / 2048))
+    assert t.per_s(130.0, fixed_ms=10.0) == pytest.approx(3.2 * 1000 / (10 + 120 * 768 / 2048))
     assert t.per_s(0.0) == 0.0                                 # no full step timed: no rate
+
+
+def test_decode_heavy_steps_are_not_taken_for_full_ones():
+    # long outputs: 128 decodes and a tenth of a prompt a step, ~20 ms where a full step
+    # takes 131: at the full step's pace the wait read was six times too long
+    t = SlotTurnover(max_num_seqs=128, max_tokens=2048, kv_tokens=10**7)
+    for _ in range(10):
+        t.finished(prompt_tokens=100, generated=1_000)
+    assert t.step_tokens == pytest.approx(128 + 0.128 * 100)
+    assert t.per_s(131.0, fixed_ms=8.0) == pytest.approx(0.128 * 1000 / (8 + 123 * 140.8 / 2048))
+    assert t.per_s(131.0, fixed_ms=8.0) > 5 * 0.128 * 1000 / 131.0
 
 
 def test_a_long_prompts_chunks_hold_the_slot_too():

@@ -397,3 +397,12 @@ def test_the_engines_own_model_is_the_rate_until_a_step_is_measured():
     assert c.full_rate_tps == 16_000.0
     c.observe(2048, 256.0)                      # a measured step, slower: it wins
     assert c.full_rate_tps == 8_000.0
+
+
+def test_the_fixed_part_is_the_fits_intercept():
+    c = StepClock(max_tokens=2048)
+    assert c.fixed_ms == 0.0                     # no fit: none
+    for _ in range(50):
+        for x in (128, 1024, 2048):
+            c.observe(x, 8.0 + 0.06 * x)
+    assert c.fixed_ms == pytest.approx(8.0, abs=0.1)

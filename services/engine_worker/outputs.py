@@ -183,7 +183,7 @@ def _budget_state(rs: Any, turnover: Any = None) -> dict[str, float | None]:
     c = rs.clock
     long_prompt = {"long_prompt_tokens": rs.long_prompt_tokens()}
     full_ms = c.max_tokens * 1000.0 / c.full_rate_tps if c.full_rate_tps > 0 else 0.0
-    seq_rps = turnover.per_s(full_ms) if turnover is not None else 0.0
+    seq_rps = turnover.per_s(full_ms, c.fixed_ms) if turnover is not None else 0.0
     rate = {"prefill_tps": round(c.full_rate_tps) if c.full_rate_tps > 0 else None,
             "seq_rps": round(seq_rps, 2) if seq_rps > 0 else None}
     if c.full_step_ms <= 0:

@@ -131,6 +131,14 @@ class StepClock:
         return self._fit
 
     @property
+    def fixed_ms(self) -> float:
+        """The part of a step no token adds to (launches, collectives), in ms: the fit's
+        intercept (0.0 before a fit)."""
+        if self._fit <= 0:
+            return 0.0
+        return max(0.0, self._fit - (self._slope + self._shared) * self.max_tokens)
+
+    @property
     def full_rate_tps(self) -> float:
         """The tokens/s a rank computes in full steps: ``max_tokens`` over the fitted full
         step; before a fit, the fastest step in which the ranks computed half a full step or
