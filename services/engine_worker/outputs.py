@@ -137,7 +137,7 @@ class Outputs:
             by_api[seq.api].append(delta)
             if out.finish_reason is not None:
                 finished += 1
-                if st.turnover is not None:
+                if st.turnover is not None and seq.generated:   # (a rejection never held a slot)
                     st.turnover.finished(len(seq.prompt), len(seq.generated))
                 acks.append(st.forget(seq.id))
                 self.log.debug("request_finished", request_id=seq.id, wave=st.wave, step=st.step,
@@ -177,7 +177,7 @@ def _budget_state(rs: Any, turnover: Any = None) -> dict[str, float | None]:
     shorter one may wait for); null until the steps or prompts allow one (never a made-up 0).
     ``prefill_tps``, the tokens/s of its full steps (step_clock.py ``full_rate_tps``), is the
     most a backlog drains at here, and ``seq_rps`` the most requests/s its slots let it finish
-    at that pace (slot_turnover.py): the scheduler's least queue wait (scheduler/queue_eta.py)."""
+    (slot_turnover.py): the scheduler's least queue wait (scheduler/queue_eta.py)."""
     if rs is None or rs.clock is None:
         return {}
     c = rs.clock

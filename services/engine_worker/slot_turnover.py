@@ -1,14 +1,14 @@
-"""How many requests a rank can finish per full step: its sequence slots over the steps a
-sequence holds one. Pure: what finished passed in.
+"""How many requests a rank can finish a step, and a second: its sequence slots over the
+steps a sequence holds one. Pure: what finished passed in.
 
 Short prompts are bounded by slots, not by prompt tokens. A burst of 10,000 chat requests
 (1-400 words, 16-63 tokens out) on 4 sim ranks of 128 slots each: 2,848 were admitted
 behind a 10 s bound, about 10 s of prompt tokens at the group's full-step rate, but each
 waited for a slot that frees only as a request ahead finishes its decode, and the first
 token came after p50 / p90 17 / 28 s (2026-12-07). The queue drains at most at
-``slots / steps_per_request`` requests a step: this figure, in requests/s once a full
-step's time is known (engine_worker/outputs.py ``seq_rps``), bounds the queue's wait from
-below as the prompt tokens over the full-step rate do (scheduler/queue_eta.py).
+``slots / steps_per_request`` requests a step: this figure, in requests/s once the step
+clock knows a full step's time (engine_worker/outputs.py ``seq_rps``), bounds the queue's
+wait from below as the prompt tokens over the full-step rate do (scheduler/queue_eta.py).
 
 Each part leans toward more requests a second, so the wait read from them is a lower
 bound (a refusal it causes is one a measured rate would cause too): the slots are

@@ -107,9 +107,9 @@ def full_step_prefill_tps(snap: Any) -> float | None:
 
 
 def full_step_seq_rps(snap: Any) -> float | None:
-    """The requests/s the group's sequence slots let it finish at its full-step pace: each
-    rank's ``seq_rps`` (engine_worker/slot_turnover.py), summed the same way (None until a
-    rank has finished a request and measured a full step)."""
+    """The requests/s the group's sequence slots let it finish: each rank's ``seq_rps``
+    (engine_worker/slot_turnover.py), summed the same way (None until a rank has finished
+    a request and knows a full step's time)."""
     return _summed(snap, "seq_rps")
 
 
