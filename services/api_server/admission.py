@@ -50,7 +50,7 @@ def expected_wait_s(gw: Any) -> float | None:
     where the sequence slots bound it first, in requests (None: neither known).
     An idle group publishes no figure (no step, no snapshot), so a burst after a quiet spell
     found none and was admitted whole: then what it admitted is the whole wait."""
-    tps, rps = gw.prefill_tps, getattr(gw, "seq_rps", 0.0)
+    tps, rps = gw.prefill_tps, gw.seq_rps
     if not tps and not rps:
         return gw.queue_wait_s
     since = max(gw.admitted.tokens / tps if tps else 0.0, gw.admitted.requests / rps if rps else 0.0)

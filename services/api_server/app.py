@@ -200,8 +200,8 @@ def create_app(settings: ApiServerSettings, metrics_dir: str | None = None) -> A
         r = connect(settings.redis_url)
         policy = client_policy(settings, api_id)
         gw = Gateway(r, keys, api_id, dispatch=settings.dispatch, policy=policy, log=log, metrics=metrics,
-                     engine_down_timeout_s=settings.engine_down_timeout_s, redis_url=settings.redis_url)
-        gw.admitted.replicas = settings.num_api_servers   # until the cluster record says (heartbeat)
+                     engine_down_timeout_s=settings.engine_down_timeout_s, redis_url=settings.redis_url,
+                     replicas=settings.num_api_servers)
         await gw.start()
         state["gw"], state["r"], state["loop"] = gw, r, asyncio.get_running_loop()
         log.info("api_server_ready", port=settings.port, dispatch=settings.dispatch, ranks=gw.num_ranks)

@@ -181,7 +181,7 @@ def engine_down_message(live: int, ranks: int, for_s: float, namespace: str) -> 
 class Gateway:
     def __init__(self, r: Any, keys: K.Keys, api_id: str, *, dispatch: str = "scheduler",
                  policy: Any = None, log: Any = None, metrics: Any = None, engine_down_timeout_s: float = 0.0,
-                 redis_url: str | None = None) -> None:
+                 redis_url: str | None = None, replicas: int = 1) -> None:
         self.r, self.keys, self.api_id, self.log, self.metrics = r, keys, api_id, log, metrics
         # the heartbeat key from a thread too, while the loop goes round (None: the loop's beat alone)
         self.alive = AliveKeeper(redis_url, keys.api_alive(api_id), log) if redis_url else None
@@ -204,7 +204,8 @@ class Gateway:
         self.queue_wait_s: float | None = None   # a new request's wait before its prefill starts, as of the last heartbeat
         self.prefill_tps = 0.0                    # the most prompt tokens/s the ranks take (0: not measured)
         self.seq_rps = 0.0                        # the most requests/s their slots let them finish (0: alike)
-        self.admitted = RecentAdmissions(QUEUE_VIEW_FRESH_S)   # admitted since queue_wait_s was measured
+        # admitted since queue_wait_s was measured; ``replicas`` until the cluster record says (heartbeat)
+        self.admitted = RecentAdmissions(QUEUE_VIEW_FRESH_S, replicas)
         self.ranks_live: int | None = None        # ranks with a heartbeat, as of the last one (None: unknown)
         self.redis_refusal: str | None = None     # why the last heartbeat's write failed (a full Redis answers PING)
         self.down_since: float | None = None      # monotonic: since when fewer than every rank has been live
